@@ -1,0 +1,18 @@
+/* c/cuda_stub.c: the CUDA half of the library in a CPU-only build (no nvcc, or MSDA_CUDA=0).
+ * Linked instead of kernels/*.cu so the entry points are the same in every build. */
+#include "msda_internal.h"
+
+int msda_cuda_built(void) { return 0; }
+int msda_cuda_devices(void) { return 0; }
+const char *msda_cuda_arch_list(void) { return ""; }
+int msda_cuda_toolkit_version(void) { return 0; }
+
+int msda_cuda_forward(const msda_problem *pr) {
+    (void)pr;
+    return msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_forward: this build has no CUDA kernels");
+}
+
+int msda_cuda_backward(const msda_problem *pr) {
+    (void)pr;
+    return msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_backward: this build has no CUDA kernels");
+}

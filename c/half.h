@@ -1,0 +1,50 @@
+/* c/half.h: IEEE binary16 and bfloat16 <-> float conversions for the CPU kernels.
+ * Written out in integer arithmetic so any C99 compiler builds them (no _Float16, no F16C);
+ * float -> half rounds to nearest even, NaN stays NaN, overflow goes to infinity. */
+#ifndef MSDA_HALF_H
+#define MSDA_HALF_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float msda_bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t msda_float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float msda_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return msda_bits_to_float(sign | 0x7f800000u | (man << 13)); /* inf/nan */
+    if (exp == 0) {                                      /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    return msda_bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+static inline uint16_t msda_float_to_half(float f) {
+    uint32_t u = msda_float_to_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u); /* nan / inf */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;      /* rounds past 65504: inf */
+    if (a < 0x38800000u) {                            /* below 2^-14: subnormal half or zero */
+        /* man * 2^-24 with round-to-nearest-even, done by the FPU: adding 0.5 (2^-1) shifts
+         * the value's bits so the half's subnormal mantissa lands in the low bits. */
+        float t = msda_bits_to_float(a) + 0.5f;
+        return sign | (uint16_t)(msda_float_to_bits(t) - 0x3f000000u);
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
+    return sign | (uint16_t)(a >> 13);
+}
+
+static inline float msda_bf16_to_float(uint16_t b) { return msda_bits_to_float((uint32_t)b << 16); }
+
+static inline uint16_t msda_float_to_bf16(float f) {
+    uint32_t u = msda_float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet nan */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#endif /* MSDA_HALF_H */

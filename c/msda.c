@@ -1,0 +1,163 @@
+/* c/msda.c: the public entry points of libpymsda.
+ * Each one checks its arguments (a bad one gives MSDA_ERR_INVALID_ARGUMENT and a text naming it),
+ * returns early on empty problems, and dispatches to the CPU kernels or the CUDA launchers. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "msda_internal.h"
+
+// ---------------------------------------------------------------------------------------------
+// errors
+
+static _Thread_local char last_error[1024];
+
+int msda_set_error(int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *msda_last_error(void) { return last_error; }
+
+const char *msda_status_string(int status) {
+    switch (status) {
+    case MSDA_OK: return "ok";
+    case MSDA_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case MSDA_ERR_UNSUPPORTED: return "unsupported";
+    case MSDA_ERR_CUDA: return "CUDA error";
+    case MSDA_ERR_INTERNAL: return "internal error";
+    default: return "unknown status";
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// capabilities
+
+int msda_abi_version(void) { return MSDA_ABI_VERSION; }
+int msda_has_cuda(void) { return msda_cuda_built(); }
+int msda_cuda_device_count(void) { return msda_cuda_devices(); }
+const char *msda_cuda_archs(void) { return msda_cuda_arch_list(); }
+int msda_cuda_version(void) { return msda_cuda_toolkit_version(); }
+
+int64_t msda_dtype_size(int dtype) {
+    switch (dtype) {
+    case MSDA_F32: return 4;
+    case MSDA_F64: return 8;
+    case MSDA_F16: return 2;
+    case MSDA_BF16: return 2;
+    default: return 0;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// argument checks
+
+/* a*b into *out unless it passes INT64_MAX (sizes are checked >= 0 first). */
+static int mul_ok(int64_t a, int64_t b, int64_t *out) {
+    if (a != 0 && b > INT64_MAX / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+static int check_problem(const char *fn, const msda_problem *pr) {
+    const struct { const char *name; int64_t v; int64_t min; } sizes[] = {
+        {"B", pr->B, 0}, {"S", pr->S, 0}, {"H", pr->H, 1}, {"C", pr->C, 1},
+        {"L", pr->L, 1}, {"Q", pr->Q, 0}, {"P", pr->P, 1},
+    };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+        if (sizes[i].v < sizes[i].min)
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: size %s = %lld must be >= %lld",
+                                  fn, sizes[i].name, (long long)sizes[i].v,
+                                  (long long)sizes[i].min);
+    /* Every element count (and the byte count of the largest) must fit an int64. */
+    int64_t n_value, n_loc, n_out, t;
+    if (!mul_ok(pr->B, pr->S, &t) || !mul_ok(t, pr->H, &t) || !mul_ok(t, pr->C, &n_value) ||
+        !mul_ok(n_value, 8, &t) || !mul_ok(pr->B, pr->Q, &t) || !mul_ok(t, pr->H, &t) ||
+        !mul_ok(t, pr->C, &n_out) || !mul_ok(n_out, 8, &n_out) || !mul_ok(t, pr->L, &t) ||
+        !mul_ok(t, pr->P, &t) || !mul_ok(t, 2, &n_loc) || !mul_ok(n_loc, 8, &n_loc))
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: sizes B=%lld S=%lld H=%lld C=%lld L=%lld Q=%lld P=%lld "
+                              "overflow a 64-bit element count",
+                              fn, (long long)pr->B, (long long)pr->S, (long long)pr->H,
+                              (long long)pr->C, (long long)pr->L, (long long)pr->Q,
+                              (long long)pr->P);
+    if (msda_dtype_size(pr->dtype) == 0)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: dtype code %d is not one of MSDA_F32/F64/F16/BF16", fn,
+                              pr->dtype);
+    if (pr->index_dtype != MSDA_I64 && pr->index_dtype != MSDA_I32)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: index_dtype code %d is not MSDA_I64 or MSDA_I32", fn,
+                              pr->index_dtype);
+    if (pr->device < -1)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: device %d must be -1 (CPU) or a CUDA ordinal", fn, pr->device);
+    if (pr->device >= 0 && !msda_cuda_built())
+        return msda_set_error(MSDA_ERR_UNSUPPORTED,
+                              "%s: device %d requested but this build of libpymsda has no CUDA "
+                              "kernels (rebuild with nvcc on the PATH)",
+                              fn, pr->device);
+    return MSDA_OK;
+}
+
+#define REQUIRE_POINTER(fn, p)                                                                    \
+    do {                                                                                          \
+        if ((p) == NULL)                                                                          \
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, #p);          \
+    } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// entry points
+
+int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q, int64_t P,
+                 int dtype, int index_dtype, int device, int num_threads, const void *value,
+                 const void *spatial_shapes, const void *level_start_index,
+                 const void *sampling_locations, const void *attention_weights, void *output,
+                 void *stream) {
+    static const char fn[] = "msda_forward";
+    last_error[0] = '\0';
+    msda_problem pr = {B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads,
+                       value, spatial_shapes, level_start_index, sampling_locations,
+                       attention_weights, NULL, output, NULL, NULL, NULL, stream};
+    int st = check_problem(fn, &pr);
+    if (st != MSDA_OK) return st;
+    if (B == 0 || Q == 0) return MSDA_OK; /* nothing to write */
+    REQUIRE_POINTER(fn, output);
+    REQUIRE_POINTER(fn, spatial_shapes);
+    REQUIRE_POINTER(fn, level_start_index);
+    REQUIRE_POINTER(fn, sampling_locations);
+    REQUIRE_POINTER(fn, attention_weights);
+    if (S > 0) REQUIRE_POINTER(fn, value);
+    return device < 0 ? msda_cpu_forward(&pr) : msda_cuda_forward(&pr);
+}
+
+int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q, int64_t P,
+                  int dtype, int index_dtype, int device, int num_threads, const void *value,
+                  const void *spatial_shapes, const void *level_start_index,
+                  const void *sampling_locations, const void *attention_weights,
+                  const void *grad_output, void *grad_value, void *grad_sampling_locations,
+                  void *grad_attention_weights, void *stream) {
+    static const char fn[] = "msda_backward";
+    last_error[0] = '\0';
+    msda_problem pr = {B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads,
+                       value, spatial_shapes, level_start_index, sampling_locations,
+                       attention_weights, grad_output, NULL, grad_value,
+                       grad_sampling_locations, grad_attention_weights, stream};
+    int st = check_problem(fn, &pr);
+    if (st != MSDA_OK) return st;
+    if (!grad_value && !grad_sampling_locations && !grad_attention_weights) return MSDA_OK;
+    if (B == 0 || (Q == 0 && S == 0)) return MSDA_OK; /* every gradient is empty */
+    /* Q == 0 with S > 0 still needs grad_value zeroed, which the kernels do. */
+    REQUIRE_POINTER(fn, spatial_shapes);
+    REQUIRE_POINTER(fn, level_start_index);
+    if (Q > 0) {
+        REQUIRE_POINTER(fn, grad_output);
+        REQUIRE_POINTER(fn, sampling_locations);
+        REQUIRE_POINTER(fn, attention_weights);
+        if (S > 0) REQUIRE_POINTER(fn, value);
+    }
+    return device < 0 ? msda_cpu_backward(&pr) : msda_cuda_backward(&pr);
+}

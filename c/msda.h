@@ -1,0 +1,116 @@
+/* c/msda.h: the whole C contract of libpymsda (Multi-Scale Deformable Attention).
+ *
+ * This is the only header the Python side mirrors (pymsda/_lib.py). It includes no CUDA and no
+ * torch header: streams are `void *`, tensors are raw pointers to contiguous row-major memory.
+ *
+ * Sizes (all int64_t):
+ *   B batch, S value length (sum over levels of H_l*W_l), H heads, C channels per head,
+ *   L levels, Q queries, P points per level.
+ * Layouts (contiguous, row-major, element type given by `dtype` unless said otherwise):
+ *   value                (B, S, H, C)
+ *   spatial_shapes       (L, 2) rows (H_l, W_l), element type given by `index_dtype`
+ *   level_start_index    (L,)   offset of level l in S, element type given by `index_dtype`
+ *   sampling_locations   (B, Q, H, L, P, 2) last dim (x, y), normalised to [0, 1]
+ *   attention_weights    (B, Q, H, L, P)
+ *   output               (B, Q, H, C)   (the caller views it as (B, Q, H*C))
+ *   grad_output          (B, Q, H, C)
+ *   grad_value           (B, S, H, C)   float32 for MSDA_F16 / MSDA_BF16 (the f32 accumulation
+ *                                       buffer; the caller casts), `dtype` otherwise
+ *   grad_sampling_locations (B, Q, H, L, P, 2), grad_attention_weights (B, Q, H, L, P)
+ *
+ * Math:
+ *   out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
+ *                                                                    y = loc_y*H_l - 0.5)
+ *   Bilinear reads the four integer neighbours of (x, y); a neighbour outside the level (or whose
+ *   flat index start_l + y*W_l + x falls outside [0, S)) contributes 0. This equals
+ *   grid_sample(bilinear, zeros padding, align_corners=False) with grid = 2*loc - 1.
+ *   Accumulation is f32 for f32/f16/bf16 and f64 for f64.
+ *
+ * Device: `device` = -1 runs on the CPU (host pointers; `stream` ignored; `num_threads` <= 0 means
+ * the OpenMP default). `device` >= 0 runs on that CUDA device (device pointers for every tensor,
+ * spatial_shapes and level_start_index included) on `stream` (a cudaStream_t; NULL = the legacy
+ * default stream). The library selects the device for the launch and restores the caller's.
+ *
+ * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
+ * point returns an msda_status; on failure msda_last_error() holds this thread's error text.
+ * Backward writes every gradient it is given in full (grad_value is zeroed first, on the stream);
+ * any gradient pointer may be NULL when it is not needed.
+ */
+#ifndef MSDA_H
+#define MSDA_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MSDA_API __declspec(dllexport)
+#else
+#define MSDA_API __attribute__((visibility("default")))
+#endif
+
+/* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
+#define MSDA_ABI_VERSION 1
+
+typedef enum {
+    MSDA_OK = 0,
+    MSDA_ERR_INVALID_ARGUMENT = 1, /* a size, pointer or code is out of range; text names it */
+    MSDA_ERR_UNSUPPORTED = 2,      /* valid request this build cannot serve (e.g. no CUDA)   */
+    MSDA_ERR_CUDA = 3,             /* the CUDA runtime reported an error; text carries it    */
+    MSDA_ERR_INTERNAL = 4,         /* a bug in the library                                    */
+} msda_status;
+
+typedef enum {
+    MSDA_F32 = 0,
+    MSDA_F64 = 1,
+    MSDA_F16 = 2,
+    MSDA_BF16 = 3,
+} msda_dtype;
+
+typedef enum {
+    MSDA_I64 = 0,
+    MSDA_I32 = 1,
+} msda_index_dtype;
+
+/* ---- capabilities ------------------------------------------------------------------------- */
+
+MSDA_API int msda_abi_version(void);
+/* 1 when this build contains CUDA kernels, 0 otherwise. */
+MSDA_API int msda_has_cuda(void);
+/* Number of CUDA devices the library can see (0 without CUDA kernels or without a driver). */
+MSDA_API int msda_cuda_device_count(void);
+/* Space-separated list of embedded GPU architectures, e.g. "sm_75 sm_80 ... compute_120";
+ * "" in a CPU-only build. */
+MSDA_API const char *msda_cuda_archs(void);
+/* The CUDA toolkit version the kernels were built with as 1000*major + 10*minor, 0 if none. */
+MSDA_API int msda_cuda_version(void);
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+MSDA_API const char *msda_status_string(int status);
+/* This thread's text for the most recent failure ("" when none). */
+MSDA_API const char *msda_last_error(void);
+
+/* ---- compute ------------------------------------------------------------------------------ */
+
+MSDA_API int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                          int64_t P, int dtype, int index_dtype, int device, int num_threads,
+                          const void *value, const void *spatial_shapes,
+                          const void *level_start_index, const void *sampling_locations,
+                          const void *attention_weights, void *output, void *stream);
+
+MSDA_API int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                           int64_t P, int dtype, int index_dtype, int device, int num_threads,
+                           const void *value, const void *spatial_shapes,
+                           const void *level_start_index, const void *sampling_locations,
+                           const void *attention_weights, const void *grad_output,
+                           void *grad_value, void *grad_sampling_locations,
+                           void *grad_attention_weights, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MSDA_H */

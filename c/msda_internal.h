@@ -1,0 +1,61 @@
+/* c/msda_internal.h: what the C entry points, the CPU kernels and the CUDA launchers share.
+ * Not part of the public contract (c/msda.h is). Plain C, includable from CUDA C++. */
+#ifndef MSDA_INTERNAL_H
+#define MSDA_INTERNAL_H
+
+#include <stdint.h>
+
+#include "msda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One call's arguments after the entry point has checked them. Sizes are >= 1 except B and Q,
+ * which are >= 1 too by the time a kernel sees them (empty problems return early). */
+typedef struct {
+    int64_t B, S, H, C, L, Q, P;
+    int dtype;       /* msda_dtype */
+    int index_dtype; /* msda_index_dtype */
+    int device;      /* -1 CPU, else CUDA ordinal */
+    int num_threads; /* CPU only; <= 0: OpenMP default */
+    const void *value;
+    const void *spatial_shapes;
+    const void *level_start_index;
+    const void *sampling_locations;
+    const void *attention_weights;
+    const void *grad_output;       /* backward only */
+    void *output;                  /* forward only */
+    void *grad_value;              /* backward; may be NULL; f32 for half dtypes */
+    void *grad_sampling_locations; /* backward; may be NULL */
+    void *grad_attention_weights;  /* backward; may be NULL */
+    void *stream;
+} msda_problem;
+
+/* Formats this thread's error text (printf-style) and returns `status`. */
+int msda_set_error(int status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Bytes of one element of `dtype` (0 for an unknown code). */
+int64_t msda_dtype_size(int dtype);
+
+/* CPU kernels (c/cpu_kernels.c). */
+int msda_cpu_forward(const msda_problem *pr);
+int msda_cpu_backward(const msda_problem *pr);
+
+/* CUDA launchers (kernels/), or in a CPU-only build the stubs of c/cuda_stub.c. */
+int msda_cuda_forward(const msda_problem *pr);
+int msda_cuda_backward(const msda_problem *pr);
+int msda_cuda_built(void);
+int msda_cuda_devices(void);
+const char *msda_cuda_arch_list(void);
+int msda_cuda_toolkit_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MSDA_INTERNAL_H */

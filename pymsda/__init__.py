@@ -1,0 +1,30 @@
+"""pymsda: Multi-Scale Deformable Attention for PyTorch, as a C/CUDA library loaded with ctypes.
+
+The library is built without any PyTorch header, so one build works across PyTorch and Python
+versions. Public API: ms_deform_attn, MSDeformAttnFunction, MSDeformAttn, reference.
+"""
+import torch
+
+from . import _lib, reference
+from .modules import MSDeformAttn
+from .ops import MSDeformAttnFunction, ms_deform_attn
+
+__version__ = "0.1.0"
+__all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "reference",
+           "library_path", "has_cuda", "cuda_archs"]
+
+
+def library_path():
+    """Path of the loaded libpymsda.so."""
+    return _lib.path
+
+
+def cuda_archs():
+    """GPU architectures embedded in the library, e.g. ['sm_75', ..., 'compute_121']."""
+    return _lib.lib.msda_cuda_archs().decode().split()
+
+
+def has_cuda():
+    """True when the library has CUDA kernels, torch sees a GPU and so does the library."""
+    return (bool(_lib.lib.msda_has_cuda()) and torch.cuda.is_available()
+            and _lib.lib.msda_cuda_device_count() > 0)

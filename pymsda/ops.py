@@ -1,0 +1,325 @@
+"""The MSDA operator: argument checks, the calls into the C library, and autograd."""
+import torch
+
+from . import _lib
+from ._lib import lib
+
+__all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
+
+_DTYPE_CODE = {
+    torch.float32: _lib.DTYPE_F32,
+    torch.float64: _lib.DTYPE_F64,
+    torch.float16: _lib.DTYPE_F16,
+    torch.bfloat16: _lib.DTYPE_BF16,
+}
+_INDEX_CODE = {torch.int64: _lib.INDEX_I64, torch.int32: _lib.INDEX_I32}
+
+# The raw cudaStream_t of the current stream. torch._C._cuda_getCurrentRawStream returns it as an
+# int without building a Stream object; older or unusual torch builds fall back to the public API.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device_index):
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _describe(t):
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_float_tensor(name, t, ndim):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPE_CODE:
+        raise TypeError(
+            f"{name} must be float32, float64, float16 or bfloat16, got {_describe(t)}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got {_describe(t)}")
+
+
+class _Levels:
+    """spatial_shapes and level_start_index, as the C library wants them on one device.
+
+    host: the (H, W) pairs when they are known on the host (a list, or a CPU tensor), else None.
+    """
+
+    __slots__ = ("shapes", "starts", "index_code", "host")
+
+    def __init__(self, shapes, starts, host):
+        self.shapes, self.starts, self.host = shapes, starts, host
+        self.index_code = _INDEX_CODE[shapes.dtype]
+
+
+# Level tables built from host-side shapes, per (pairs, device, dtype): a list of shapes is then
+# copied to the GPU once, not on every call.
+_level_cache = {}
+
+
+def _levels_from_host(pairs, device, dtype=torch.int64):
+    key = (pairs, device, dtype)
+    levels = _level_cache.get(key)
+    if levels is None:
+        starts, total = [], 0
+        for h, w in pairs:
+            starts.append(total)
+            total += h * w
+        shapes = torch.tensor(pairs, dtype=dtype).reshape(len(pairs), 2)
+        starts = torch.tensor(starts, dtype=dtype)
+        if device.type != "cpu":
+            shapes, starts = shapes.to(device), starts.to(device)
+        levels = _Levels(shapes, starts, pairs)
+        if len(_level_cache) > 256:
+            _level_cache.clear()
+        _level_cache[key] = levels
+    return levels
+
+
+def _host_pairs(spatial_shapes, device):
+    """spatial_shapes as a tuple of (H, W) int pairs, checked; None when it lives on the GPU
+    that runs the op (reading it there would synchronise)."""
+    if isinstance(spatial_shapes, torch.Tensor):
+        if spatial_shapes.dtype not in _INDEX_CODE:
+            raise TypeError(
+                f"spatial_shapes must be an int64 or int32 tensor, got {_describe(spatial_shapes)}")
+        if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] < 1:
+            raise ValueError(
+                f"spatial_shapes must have shape (L, 2) with L >= 1, got {_describe(spatial_shapes)}")
+        if spatial_shapes.device.type != "cpu" and device.type != "cpu":
+            return None
+        pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
+    else:
+        try:
+            pairs = tuple((int(h), int(w)) for h, w in spatial_shapes)
+            ok = all(isinstance(v, int) or float(v).is_integer()
+                     for pair in spatial_shapes for v in pair)
+        except (TypeError, ValueError):
+            raise TypeError(
+                "spatial_shapes must be an (L, 2) integer tensor or a list of (H, W) integer "
+                f"pairs, got {spatial_shapes!r}") from None
+        if not ok:
+            raise TypeError(f"spatial_shapes must hold integers, got {spatial_shapes!r}")
+        if len(pairs) < 1:
+            raise ValueError("spatial_shapes must name at least one level, got an empty list")
+    for level, (h, w) in enumerate(pairs):
+        if h < 1 or w < 1:
+            raise ValueError(
+                f"spatial_shapes: level {level} has size ({h}, {w}); sizes must be >= 1")
+    return pairs
+
+
+def _prepare_levels(spatial_shapes, level_start_index, S, device):
+    pairs = _host_pairs(spatial_shapes, device)
+    if pairs is not None:
+        total = sum(h * w for h, w in pairs)
+        if total != S:
+            raise ValueError(
+                f"spatial_shapes {list(pairs)} cover sum(H*W) = {total} positions but value has "
+                f"S = {S} (value.shape[1])")
+    L = len(pairs) if pairs is not None else spatial_shapes.shape[0]
+
+    if level_start_index is not None:
+        if not isinstance(level_start_index, torch.Tensor):
+            level_start_index = torch.as_tensor(level_start_index)
+        if level_start_index.dtype not in _INDEX_CODE:
+            raise TypeError("level_start_index must be an int64 or int32 tensor, got "
+                            f"{_describe(level_start_index)}")
+        if level_start_index.dim() != 1 or level_start_index.shape[0] != L:
+            raise ValueError(f"level_start_index must have shape ({L},) to match spatial_shapes, "
+                             f"got {_describe(level_start_index)}")
+        if pairs is not None and level_start_index.device.type == "cpu":
+            expected, total = [], 0
+            for h, w in pairs:
+                expected.append(total)
+                total += h * w
+            given = level_start_index.tolist()
+            if given != expected:
+                raise ValueError(f"level_start_index {given} does not match spatial_shapes "
+                                 f"{list(pairs)}: expected {expected}")
+
+    if pairs is not None:
+        dtype = spatial_shapes.dtype if isinstance(spatial_shapes, torch.Tensor) else torch.int64
+        return _levels_from_host(pairs, device, dtype)
+
+    # The shapes live on the value's device: reading them here would synchronise, so nothing
+    # does; the kernels bounds-check every read instead.
+    shapes = spatial_shapes.to(device).contiguous()
+    if level_start_index is None:
+        sizes = shapes[:, 0] * shapes[:, 1]
+        starts = torch.cumsum(sizes, 0) - sizes
+    else:
+        starts = level_start_index.to(device)
+    return _Levels(shapes, starts.to(shapes.dtype).contiguous(), None)
+
+
+def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Checks every argument; returns the tensors in the form the C library takes."""
+    _check_float_tensor("value", value, 4)
+    _check_float_tensor("sampling_locations", sampling_locations, 6)
+    _check_float_tensor("attention_weights", attention_weights, 5)
+    B, S, H, C = value.shape
+    Bl, Q, Hl, L, P, two = sampling_locations.shape
+    if two != 2:
+        raise ValueError("sampling_locations must have shape (B, Q, H, L, P, 2), got "
+                         f"{_describe(sampling_locations)}")
+    for dim, name, expected, got in (("B", "batch", B, Bl), ("H", "heads", H, Hl)):
+        if got != expected:
+            raise ValueError(
+                f"sampling_locations has {name} {dim} = {got} but value has {dim} = {expected}: "
+                f"value {_describe(value)}, sampling_locations {_describe(sampling_locations)}")
+    if tuple(attention_weights.shape) != (B, Q, H, L, P):
+        raise ValueError(
+            f"attention_weights must have shape (B, Q, H, L, P) = {(B, Q, H, L, P)} to match "
+            f"value and sampling_locations, got {_describe(attention_weights)}")
+    if C < 1 or H < 1 or L < 1 or P < 1:
+        raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
+                         "(sampling_locations)")
+    device = value.device
+    for name, t in (("sampling_locations", sampling_locations),
+                    ("attention_weights", attention_weights)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but value is on {device}: all tensors "
+                             "must be on one device")
+
+    levels = _prepare_levels(spatial_shapes, level_start_index, S, device)
+    if levels.shapes.shape[0] != L:
+        raise ValueError(f"spatial_shapes has {levels.shapes.shape[0]} levels but "
+                         f"sampling_locations has L = {L}: {_describe(sampling_locations)}")
+
+    # Mixed float dtypes (autocast) follow value's dtype.
+    if sampling_locations.dtype != value.dtype:
+        sampling_locations = sampling_locations.to(value.dtype)
+    if attention_weights.dtype != value.dtype:
+        attention_weights = attention_weights.to(value.dtype)
+    return (value.contiguous(), levels, sampling_locations.contiguous(),
+            attention_weights.contiguous(), (B, S, H, C, L, Q, P))
+
+
+# ---------------------------------------------------------------------------------------------
+# calls into the C library
+
+
+def _device_args(t):
+    if t.device.type == "cuda":
+        index = t.device.index
+        return index, _current_stream(index), 0
+    return -1, None, torch.get_num_threads()
+
+
+def _check(status):
+    if status != _lib.OK:
+        exc = ValueError if status == _lib.ERR_INVALID_ARGUMENT else RuntimeError
+        raise exc("pymsda: " + _lib.error_text(status))
+
+
+def _forward(value, levels, loc, attn, sizes):
+    B, S, H, C, L, Q, P = sizes
+    out = torch.empty((B, Q, H * C), dtype=value.dtype, device=value.device)
+    device, stream, threads = _device_args(value)
+    _check(lib.msda_forward(
+        B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
+        value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(), loc.data_ptr(),
+        attn.data_ptr(), out.data_ptr(), stream))
+    return out
+
+
+def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn):
+    B, S, H, C, L, Q, P = sizes
+    grad_out = grad_out.contiguous()
+    if grad_out.dtype != value.dtype:
+        grad_out = grad_out.to(value.dtype)
+    # grad_value accumulates in f32 for half types (c/msda.h), then is cast once.
+    acc_dtype = value.dtype if value.dtype in (torch.float32, torch.float64) else torch.float32
+    grad_value = torch.empty(value.shape, dtype=acc_dtype, device=value.device) if need_value else None
+    grad_loc = torch.empty_like(loc) if need_loc else None
+    grad_attn = torch.empty_like(attn) if need_attn else None
+    device, stream, threads = _device_args(value)
+    _check(lib.msda_backward(
+        B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
+        value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(), loc.data_ptr(),
+        attn.data_ptr(), grad_out.data_ptr(),
+        grad_value.data_ptr() if need_value else None,
+        grad_loc.data_ptr() if need_loc else None,
+        grad_attn.data_ptr() if need_attn else None, stream))
+    if grad_value is not None and grad_value.dtype != value.dtype:
+        grad_value = grad_value.to(value.dtype)
+    return grad_value, grad_loc, grad_attn
+
+
+class _MSDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights, levels, sizes):
+        ctx.save_for_backward(value, sampling_locations, attention_weights)
+        ctx.levels, ctx.sizes = levels, sizes
+        return _forward(value, levels, sampling_locations, attention_weights, sizes)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        value, loc, attn = ctx.saved_tensors
+        need_value, need_loc, need_attn = ctx.needs_input_grad[:3]
+        grads = _backward(grad_out, value, ctx.levels, loc, attn, ctx.sizes,
+                          need_value, need_loc, need_attn)
+        return grads + (None, None)
+
+
+def _library_serves(device):
+    return device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernels)
+
+
+_has_cuda_kernels = bool(lib.msda_has_cuda())
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights, im2col_step=None):
+    """Multi-Scale Deformable Attention (Deformable DETR's MSDeformAttnFunction).
+
+    Args:
+        value: (B, S, H, C) float32/float64/float16/bfloat16, the flattened feature maps of all
+            levels, S = sum_l H_l * W_l.
+        spatial_shapes: (L, 2) int64 or int32 tensor on any device, rows (H_l, W_l); or a list of
+            (H, W) pairs.
+        level_start_index: (L,) int64 or int32 tensor, the offset of each level in S; or None to
+            derive it from spatial_shapes (without a device synchronisation).
+        sampling_locations: (B, Q, H, L, P, 2), last dim (x, y) normalised to [0, 1]: x = 0 is
+            the left edge of the level, x = 1 its right edge (pixel centres at (j + 0.5) / W).
+            Points outside [0, 1] are allowed; neighbours outside the map contribute 0.
+        attention_weights: (B, Q, H, L, P), already normalised by the caller (softmax).
+        im2col_step: accepted for compatibility and ignored: any batch size works.
+
+    Returns:
+        (B, Q, H * C) tensor of value's dtype:
+        out[b, q, h*C + c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b, :, :, h, c],
+                                                      loc_x * W_l - 0.5, loc_y * H_l - 0.5),
+        i.e. grid_sample(bilinear, padding_mode="zeros", align_corners=False) with
+        grid = 2 * loc - 1. sampling_locations and attention_weights of another float dtype are
+        cast to value's dtype. Differentiable with respect to value, sampling_locations and
+        attention_weights. Half precision accumulates in float32.
+    """
+    value, levels, loc, attn, sizes = _prepare(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if not _library_serves(value.device):
+        from .reference import ms_deform_attn_pytorch
+        return ms_deform_attn_pytorch(value, levels.shapes, loc, attn)
+    return _MSDA.apply(value, loc, attn, levels, sizes)
+
+
+class MSDeformAttnFunction:
+    """Deformable DETR's autograd function, as `MSDeformAttnFunction.apply(value,
+    value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+    im2col_step)`; im2col_step is ignored."""
+
+    @staticmethod
+    def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+              attention_weights, im2col_step=None):
+        return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
+                              sampling_locations, attention_weights, im2col_step)
