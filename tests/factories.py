@@ -1,0 +1,154 @@
+"""tests/factories.py: random MSDA inputs and small comparison helpers shared by the tests.
+
+Inputs are drawn in float64 from a torch.Generator and then cast, so every dtype of a test sees
+the same numbers (up to rounding), and the f64 oracle is fed the *rounded* inputs: the error we
+measure is the computation's, not the input quantisation's.
+"""
+import zlib
+
+import numpy as np
+import torch
+
+import oracle
+import pymsda
+
+ARG_NAMES = ("value", "spatial_shapes", "level_start_index", "sampling_locations",
+             "attention_weights")
+GRAD_NAMES = ("value", "sampling_locations", "attention_weights")
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def random_level_shapes(generator, levels, max_side=12, min_side=1):
+    """`levels` (H_l, W_l) pairs, mostly rectangular, each side in [min_side, max_side]."""
+    sides = torch.randint(min_side, max_side + 1, (levels, 2), generator=generator)
+    return [(int(h), int(w)) for h, w in sides]
+
+
+def level_start_index_of(shapes):
+    starts, total = [], 0
+    for h, w in shapes:
+        starts.append(total)
+        total += h * w
+    return starts
+
+
+def kink_free_locations(generator, batch, queries, heads, shapes, points, margin=0.2):
+    """Locations whose pixel coordinates loc*W - 0.5 and loc*H - 0.5 have a fractional part in
+    [margin, 1 - margin]: bilinear sampling is smooth there (its kinks sit at integer pixel
+    coordinates), so finite differences and low-precision roundings of the location never cross
+    a kink. The integer part ranges over [-2, side], so some corners (and some whole samples)
+    fall outside the map."""
+    levels = len(shapes)
+    heights = torch.tensor([h for h, _ in shapes], dtype=torch.float64)
+    widths = torch.tensor([w for _, w in shapes], dtype=torch.float64)
+    size = (batch, queries, heads, levels, points)
+    coords = []
+    for sides in (widths, heights):
+        unit = torch.rand(size, generator=generator, dtype=torch.float64)
+        integer = torch.floor(unit * (sides[:, None] + 3.0)) - 2.0  # in [-2, side]
+        fraction = margin + (1.0 - 2.0 * margin) * torch.rand(size, generator=generator,
+                                                              dtype=torch.float64)
+        coords.append((integer + fraction + 0.5) / sides[:, None])
+    return torch.stack(coords, dim=-1)
+
+
+def make_inputs(generator, batch, queries, heads, channels, shapes, points,
+                dtype=torch.float64, device="cpu", loc_low=-0.1, loc_high=1.1,
+                kink_free=False, index_dtype=torch.int64):
+    """A dict of MSDA inputs. Locations are uniform in [loc_low, loc_high] (outside [0, 1] on
+    purpose) unless kink_free; attention weights are a softmax over (levels, points)."""
+    levels = len(shapes)
+    total = sum(h * w for h, w in shapes)
+    value = torch.randn(batch, total, heads, channels, generator=generator, dtype=torch.float64)
+    if kink_free:
+        locations = kink_free_locations(generator, batch, queries, heads, shapes, points)
+    else:
+        locations = loc_low + (loc_high - loc_low) * torch.rand(
+            batch, queries, heads, levels, points, 2, generator=generator, dtype=torch.float64)
+    logits = torch.randn(batch, queries, heads, levels * points, generator=generator,
+                         dtype=torch.float64)
+    weights = torch.softmax(logits, -1).reshape(batch, queries, heads, levels, points)
+    return dict(
+        value=value.to(device=device, dtype=dtype),
+        spatial_shapes=torch.tensor(shapes, dtype=index_dtype, device=device),
+        level_start_index=torch.tensor(level_start_index_of(shapes), dtype=index_dtype,
+                                       device=device),
+        sampling_locations=locations.to(device=device, dtype=dtype),
+        attention_weights=weights.to(device=device, dtype=dtype),
+    )
+
+
+def run_msda(inputs, **overrides):
+    """pymsda.ms_deform_attn on an inputs dict, with some arguments replaced by keyword."""
+    args = {k: inputs[k] for k in ARG_NAMES}
+    args.update(overrides)
+    return pymsda.ms_deform_attn(**args)
+
+
+def random_grad_output(generator, like):
+    grad = torch.randn(like.shape, generator=generator, dtype=torch.float64)
+    return grad.to(device=like.device, dtype=like.dtype)
+
+
+def to_numpy(tensor):
+    return tensor.detach().to(device="cpu", dtype=torch.float64).numpy()
+
+
+def oracle_forward(inputs):
+    return oracle.forward(to_numpy(inputs["value"]), to_numpy(inputs["spatial_shapes"]),
+                          to_numpy(inputs["sampling_locations"]),
+                          to_numpy(inputs["attention_weights"]))
+
+
+def oracle_backward(inputs, grad_output):
+    return oracle.backward(to_numpy(inputs["value"]), to_numpy(inputs["spatial_shapes"]),
+                           to_numpy(inputs["sampling_locations"]),
+                           to_numpy(inputs["attention_weights"]), to_numpy(grad_output))
+
+
+def rel_l2(actual, expected):
+    """||actual - expected|| / ||expected||, both taken to float64 numpy."""
+    if isinstance(actual, torch.Tensor):
+        actual = to_numpy(actual)
+    if isinstance(expected, torch.Tensor):
+        expected = to_numpy(expected)
+    assert np.all(np.isfinite(actual)), "result has non-finite entries"
+    return oracle.rel_l2(actual, expected)
+
+
+def reference_in_dtype(reference, inputs):
+    """The pure-PyTorch reference run in the inputs' own dtype and device: the yardstick for
+    f16/bf16 ("no worse than twice the error of the reference computed in the same dtype").
+    torch 2.x grid_sample supports f16/bf16 on CPU, so this is a plain call; should a torch
+    build refuse half on CPU, fall back to what such a run would do at best: inputs already
+    rounded to the dtype, computation in f32, output rounded to the dtype."""
+    args = (inputs["value"], inputs["spatial_shapes"], inputs["sampling_locations"],
+            inputs["attention_weights"])
+    try:
+        return reference(*args)
+    except (RuntimeError, NotImplementedError):
+        dtype = inputs["value"].dtype
+        promoted = [a.float() if a.is_floating_point() else a for a in args]
+        return reference(*promoted).to(dtype)
+
+
+def loose_bound(reference_error, floor=1e-7):
+    """Tolerance for f16/bf16: twice what the reference achieves in the same dtype."""
+    return 2.0 * reference_error + floor
+
+
+def seed_of(text):
+    """A stable 31-bit seed from a string (a test's node id), different for every case."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def flat_size(shapes):
+    return sum(h * w for h, w in shapes)
+
+
+def assert_close_rel(actual, expected, bound, what):
+    error = rel_l2(actual, expected)
+    assert error < bound, f"{what}: rel L2 error {error:.3e} >= {bound:.3e}"
+    return error
+

@@ -1,0 +1,207 @@
+"""tests/test_cuda.py: what only the CUDA path can get wrong: agreement with the CPU path, the
+current (non-default) stream, a second GPU, CUDA graph capture, no host-device synchronisation,
+and a Deformable-DETR-sized case. Everything here skips without a GPU (conftest.requires_cuda);
+accuracy per dtype on CUDA is covered by the "cuda" cases of test_forward/test_backward.
+"""
+import torch
+
+import pymsda
+from pymsda.reference import ms_deform_attn_pytorch
+from conftest import requires_cuda, requires_two_gpus
+from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
+                       random_grad_output, random_level_shapes, rel_l2, run_msda)
+
+pytestmark = requires_cuda
+
+
+
+
+def moved(inputs, device):
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def forward_and_grads(inputs, grad_output):
+    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+    out = run_msda(inputs, **leaves)
+    out.backward(grad_output)
+    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
+
+
+def small_case(generator):
+    return dict(batch=2, queries=11, heads=3, channels=9, points=3,
+                shapes=random_level_shapes(generator, 3, max_side=10, min_side=2))
+
+
+def test_cuda_matches_cpu_forward_and_backward_f64(generator):
+    inputs = make_inputs(generator, **small_case(generator), kink_free=True)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    cpu_out, cpu_grads = forward_and_grads(inputs, grad_output)
+    cuda_out, cuda_grads = forward_and_grads(moved(inputs, "cuda"), grad_output.cuda())
+    assert cuda_out.is_cuda and all(g.is_cuda for g in cuda_grads)
+    assert rel_l2(cuda_out, cpu_out) < 1e-12
+    for name, c, g in zip(GRAD_NAMES, cpu_grads, cuda_grads):
+        assert rel_l2(g, c) < 1e-11, name
+
+
+def _sleep_on_current_stream():
+    # Keep the current stream busy so that work wrongly put on another stream runs first.
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(100_000_000)
+
+
+def test_forward_and_backward_run_on_the_current_stream(generator):
+    inputs = make_inputs(generator, **small_case(generator), dtype=torch.float32, device="cuda",
+                         kink_free=True)
+    new_value = torch.randn(inputs["value"].shape, generator=generator).cuda()
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    stream = torch.cuda.Stream()
+    assert stream != torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _sleep_on_current_stream()
+        value = inputs["value"].clone()
+        value.copy_(new_value)  # ordered after the sleep, on `stream` only
+        value.requires_grad_(True)
+        out = run_msda(inputs, value=value)
+        out.backward(grad_output)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    expected_inputs = dict(inputs, value=new_value)
+    assert rel_l2(out, oracle_forward(expected_inputs)) < 1e-6
+    grad_value = oracle_backward(expected_inputs, grad_output)[0]
+    assert rel_l2(value.grad, grad_value) < 1e-5
+
+
+@requires_two_gpus
+def test_second_gpu_forward_and_backward(generator):
+    torch.cuda.set_device(0)
+    inputs = make_inputs(generator, **small_case(generator), device="cuda:1", kink_free=True)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    out, grads = forward_and_grads(inputs, grad_output)
+    assert out.device == torch.device("cuda:1")
+    assert torch.cuda.current_device() == 0  # the caller's device is restored
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-12
+    for name, g, e in zip(GRAD_NAMES, grads, oracle_backward(inputs, grad_output)):
+        assert g.device == torch.device("cuda:1"), name
+        assert rel_l2(g, e) < 1e-11, name
+
+
+@requires_two_gpus
+def test_second_gpu_on_its_current_stream(generator):
+    inputs = make_inputs(generator, **small_case(generator), dtype=torch.float32,
+                         device="cuda:1")
+    new_value = torch.randn(inputs["value"].shape, generator=generator).to("cuda:1")
+    with torch.cuda.device(1):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _sleep_on_current_stream()
+            value = inputs["value"].clone()
+            value.copy_(new_value)
+            out = run_msda(inputs, value=value)
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize(1)
+    assert rel_l2(out, oracle_forward(dict(inputs, value=new_value))) < 1e-6
+
+
+def test_forward_and_backward_do_not_synchronise(generator):
+    # Device-side shape tensors are the normal path: no .item()/.cpu()/.tolist() may happen.
+    inputs = make_inputs(generator, **small_case(generator), dtype=torch.float32, device="cuda",
+                         kink_free=True)
+    leaves = {k: inputs[k].clone().requires_grad_(True) for k in GRAD_NAMES}
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    run_msda(inputs, **leaves).backward(grad_output)  # warm-up (library load, lazy init)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run_msda(inputs, **leaves)
+        out.backward(grad_output)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+def test_forward_captured_in_cuda_graph(generator):
+    case = small_case(generator)
+    static = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        for _ in range(2):
+            run_msda(static)
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_msda(static)
+    for _ in range(2):  # replay on fresh inputs copied into the captured buffers
+        fresh = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
+        for name in ("value", "sampling_locations", "attention_weights"):
+            static[name].copy_(fresh[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_l2(out, oracle_forward(fresh)) < 1e-6
+
+
+def test_cuda_value_with_cpu_spatial_shapes_and_derived_start_index(generator):
+    inputs = make_inputs(generator, **small_case(generator), device="cuda")
+    out = run_msda(inputs, spatial_shapes=inputs["spatial_shapes"].cpu(), level_start_index=None)
+    assert out.is_cuda and rel_l2(out, oracle_forward(inputs)) < 1e-12
+
+
+def test_cuda_value_with_device_spatial_shapes_int32_and_no_start_index(generator):
+    inputs = make_inputs(generator, **small_case(generator), device="cuda",
+                         index_dtype=torch.int32)
+    out = run_msda(inputs, level_start_index=None)
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-12
+
+
+def test_deformable_detr_sized_encoder_case_f32(generator):
+    # Many blocks and queries; the f64 reference on the GPU is the yardstick (numpy would be
+    # slow at this size). Kink-free locations keep f32-vs-f64 gradient comparisons meaningful.
+    shapes = [(100, 150), (50, 75), (25, 38), (13, 19)]
+    total = sum(h * w for h, w in shapes)
+    inputs64 = make_inputs(generator, 2, total, 8, 32, shapes, 4, device="cuda", kink_free=True)
+    inputs32 = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs64.items()}
+    grad_output = torch.randn(2, total, 256, generator=generator, dtype=torch.float64).cuda()
+
+    def reference(inputs):
+        leaves = {k: inputs[k].clone().requires_grad_(True) for k in GRAD_NAMES}
+        out = ms_deform_attn_pytorch(leaves["value"], inputs["spatial_shapes"],
+                                     leaves["sampling_locations"], leaves["attention_weights"])
+        out.backward(grad_output.to(out.dtype))
+        return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
+
+    exact_out, exact_grads = reference({k: (v.double() if v.is_floating_point() else v)
+                                        for k, v in inputs32.items()})
+    reference_out, reference_grads = reference(inputs32)
+    out, grads = forward_and_grads(inputs32, grad_output.float())
+    assert rel_l2(out, exact_out) <= 2 * rel_l2(reference_out, exact_out) + 1e-7
+    for name, g, r, e in zip(GRAD_NAMES, grads, reference_grads, exact_grads):
+        assert rel_l2(g, e) <= 2 * rel_l2(r, e) + 1e-6, name
+
+
+def test_lying_device_shapes_never_read_outside_value(generator):
+    # Shapes on the GPU are not checked on the host (that would synchronise); the kernels
+    # bounds-check every gather instead (DESIGN.md section 2). value sits inside a NaN-filled
+    # buffer, so a read before or after it would turn the output NaN; a wild read would raise
+    # at the synchronisation.
+    H, C, S, pad = 2, 8, 26, 64
+    buffer = torch.full((1, pad + S + pad, H, C), float("nan"), device="cuda")
+    buffer[:, pad:pad + S] = torch.randn(1, S, H, C, generator=generator).cuda()
+    value = buffer[:, pad:pad + S]
+    assert value.is_contiguous()  # so the op reads this very memory, not a copy
+    lying_shapes = torch.tensor([[50, 50], [40, 41]], device="cuda")
+    lying_starts = torch.tensor([0, 2500], device="cuda")
+    locations = (torch.rand(1, 30, H, 2, 4, 2, generator=generator) * 1.4 - 0.2).cuda()
+    weights = torch.rand(1, 30, H, 2, 4, generator=generator).cuda()
+    locations.requires_grad_(True)
+    weights.requires_grad_(True)
+    leaf_value = value.clone().requires_grad_(True)
+    for v in (value, leaf_value):
+        out = pymsda.ms_deform_attn(v, lying_shapes, lying_starts, locations, weights)
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+    assert torch.isfinite(leaf_value.grad).all()
+    assert torch.isfinite(locations.grad).all() and torch.isfinite(weights.grad).all()
+    assert torch.isnan(buffer[:, :pad]).all() and torch.isnan(buffer[:, pad + S:]).all()
