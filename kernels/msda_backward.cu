@@ -6,11 +6,21 @@
  *   grad_loc_x    = A * W_l * sum_c g[c] * ((1-fy)(v1-v0) + fy(v3-v2))[c]
  *   grad_loc_y    = A * H_l * sum_c g[c] * ((1-fx)(v2-v0) + fx(v3-v1))[c]
  *   grad_value[corner k] += A * w_k * g          (scattered; f32 buffer for half dtypes)
- * Thread map: one warp per (b, q, h); lane j owns channels j, j+32, ...; the per-point sums over
- *   channels are warp-shuffle reductions written by lane 0 (deterministic); grad_value is
- *   accumulated with atomicAdd after a cudaMemsetAsync on the same stream.
- * Numerics: f32 accumulation for f32/f16/bf16 (grad_value too), f64 for f64.
- * Tried: v1 (this) warp per (b, q, h), the correct-first version; speed work comes next.
+ * Thread map (fast path, as in msda_forward.cu): a group of G = C / V threads per (b, q, h), V
+ *   channels each (16-byte loads); the block stages the geometry of K points per item in shared
+ *   memory; each group gathers the 4 corners, scatters A * w_k * g into grad_value with 16-byte
+ *   vector atomics (sm_90 red.global.add.v4.f32; 4 scalar atomics before sm_90), reduces its
+ *   three per-point sums over the G lanes with shuffles, and parks them in shared memory; the
+ *   block then writes the location and weight gradients coalesced, one thread per point.
+ *   Generic path (f64, other C, unaligned pointers): one warp per (b, q, h), lane j owns channels
+ *   j, j+32, ...; warp-shuffle sums written by lane 0.
+ *   grad_value is zeroed with cudaMemsetAsync on the same stream first; it is the only output
+ *   written with atomics (so its summation order, and its last bits, vary from run to run).
+ * Numerics: f32 accumulation for f32/f16/bf16 (grad_value too: an f32 buffer for half types,
+ *   which the caller casts), f64 for f64.
+ * Tried (H100, ddetr_enc f32 / bf16, forward + backward):
+ *   v1 generic warp per (b, q, h), scalar atomics ................ 4.153 / 4.145 ms
+ *   v2 fast path above ................................................ see BENCHMARKS.md
  */
 #include "common.cuh"
 
@@ -89,11 +99,151 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
     }
 }
 
+template <int V> __device__ __forceinline__ void atomic_add_vec(float *p, const float (&v)[V]) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+#if __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4 *>(p + j), make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]));
+#else
+        atomicAdd(p + j, v[j]), atomicAdd(p + j + 1, v[j + 1]);
+        atomicAdd(p + j + 2, v[j + 2]), atomicAdd(p + j + 3, v[j + 3]);
+#endif
+    }
+}
+
+/* Sum over the G lanes of a group (aligned at multiples of G inside the warp). */
+template <int G> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* V = 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the 4-float
+ * pieces of a group contiguous (16-byte loads of 8 half channels left the atomics of a warp
+ * half-filling twice as many sectors). */
+template <typename T, int G>
+__global__ void __launch_bounds__(256) msda_backward_fast(msda_problem pr) {
+    constexpr int V = 4;
+    typedef Stage<G> St;
+    __shared__ int4 s_rows[St::IPB * St::STRIDE];
+    __shared__ float4 s_geo[St::IPB * St::STRIDE];  /* {A, fx, fy, 0} */
+    __shared__ float4 s_sums[St::IPB * St::STRIDE]; /* {d/dA, d/dfx, d/dfy, 0} before scaling */
+    const T *value = (const T *)pr.value;
+    const T *gout = (const T *)pr.grad_output;
+    float *grad_value = (float *)pr.grad_value;
+    T *grad_loc = (T *)pr.grad_sampling_locations;
+    T *grad_attn = (T *)pr.grad_attention_weights;
+    const bool point_grads = grad_loc || grad_attn;
+    const int64_t n_items = pr.B * pr.Q * pr.H, LP = pr.L * pr.P, H = pr.H, C = pr.C;
+    const int local = threadIdx.x / G, g = threadIdx.x % G;
+    for (int64_t base = (int64_t)blockIdx.x * St::IPB; base < n_items;
+         base += (int64_t)gridDim.x * St::IPB) {
+        const int64_t item = base + local;
+        const int64_t h = (uint32_t)item % (uint32_t)H;
+        const int64_t lane_off = h * C + g * V; /* this lane's channels inside a value row */
+        float go[V];
+        if (item < n_items) {
+            load_vec(gout + item * C + g * V, go);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) go[j] = 0.f;
+        }
+        for (int64_t p0 = 0; p0 < LP; p0 += St::K) {
+            const int kn = (int)(LP - p0 < St::K ? LP - p0 : St::K);
+            for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+                const int il = j / St::K, k = j % St::K;
+                int4 rows = make_int4(-1, -1, -1, -1);
+                float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (base + il < n_items && k < kn) stage_point<T>(pr, base + il, p0 + k, rows, geo);
+                s_rows[il * St::STRIDE + k] = rows;
+                s_geo[il * St::STRIDE + k] = geo;
+            }
+            __syncthreads();
+            /* Every lane runs the same trip count (items past the end have no inside corners),
+             * so the group shuffles below see all their lanes. */
+            for (int k = 0; k < kn; k++) {
+                const int4 rows = s_rows[local * St::STRIDE + k];
+                const float4 geo = s_geo[local * St::STRIDE + k];
+                const float a = geo.x, fx = geo.y, fy = geo.z;
+                const float w[4] = {(1.f - fx) * (1.f - fy), fx * (1.f - fy), (1.f - fx) * fy,
+                                    fx * fy};
+                const int r[4] = {rows.x, rows.y, rows.z, rows.w};
+                float v[4][V];
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    if (r[c] >= 0) {
+                        load_vec(value + (int64_t)r[c] * H * C + lane_off, v[c]);
+                        if (grad_value) {
+                            float contrib[V];
+#pragma unroll
+                            for (int j = 0; j < V; j++) contrib[j] = a * w[c] * go[j];
+                            atomic_add_vec<V>(grad_value + (int64_t)r[c] * H * C + lane_off, contrib);
+                        }
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < V; j++) v[c][j] = 0.f;
+                    }
+                }
+                if (!point_grads) continue;
+                float s_a = 0.f, s_x = 0.f, s_y = 0.f;
+#pragma unroll
+                for (int j = 0; j < V; j++) {
+                    s_a += go[j] * (w[0] * v[0][j] + w[1] * v[1][j] + w[2] * v[2][j] + w[3] * v[3][j]);
+                    s_x += go[j] * ((1.f - fy) * (v[1][j] - v[0][j]) + fy * (v[3][j] - v[2][j]));
+                    s_y += go[j] * ((1.f - fx) * (v[2][j] - v[0][j]) + fx * (v[3][j] - v[1][j]));
+                }
+                s_a = group_sum<G>(s_a);
+                s_x = group_sum<G>(s_x);
+                s_y = group_sum<G>(s_y);
+                if (g == 0) s_sums[local * St::STRIDE + k] = make_float4(s_a, s_x, s_y, 0.f);
+            }
+            if (point_grads) {
+                __syncthreads();
+                for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+                    const int il = j / St::K, k = j % St::K;
+                    if (base + il >= n_items || k >= kn) continue;
+                    const int64_t pidx = p0 + k, i = (base + il) * LP + pidx;
+                    const int l = (int)pidx / (int)pr.P;
+                    const float4 sums = s_sums[il * St::STRIDE + k];
+                    const float a = s_geo[il * St::STRIDE + k].x;
+                    if (grad_attn) grad_attn[i] = from_acc<T>(sums.x);
+                    if (grad_loc) {
+                        const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
+                        const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
+                        grad_loc[2 * i] = from_acc<T>(a * sums.y * W_l);
+                        grad_loc[2 * i + 1] = from_acc<T>(a * sums.z * H_l);
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // launcher
 
-template <typename T> static void launch(const msda_problem *pr, cudaStream_t stream) {
+template <typename T, int G>
+static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
+    msda_backward_fast<T, G><<<item_blocks(pr->B * pr->Q * pr->H, G), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
+}
+
+template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
+    if constexpr (HasFast<T>::value) {
+        const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
+        switch (fast_group(pr, 4, ptrs, 3)) {
+        case 1: return launch_fast<T, 1>(pr, stream);
+        case 2: return launch_fast<T, 2>(pr, stream);
+        case 4: return launch_fast<T, 4>(pr, stream);
+        case 8: return launch_fast<T, 8>(pr, stream);
+        case 16: return launch_fast<T, 16>(pr, stream);
+        case 32: return launch_fast<T, 32>(pr, stream);
+        default: break;
+        }
+    }
     msda_backward_kernel<T><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -112,10 +262,10 @@ extern "C" int msda_cuda_backward(const msda_problem *pr) {
     }
     if (pr->B * pr->Q == 0) return MSDA_OK;
     switch (pr->dtype) {
-    case MSDA_F32: launch<float>(pr, stream); break;
-    case MSDA_F64: launch<double>(pr, stream); break;
-    case MSDA_F16: launch<__half>(pr, stream); break;
-    case MSDA_BF16: launch<__nv_bfloat16>(pr, stream); break;
+    case MSDA_F32: MSDA_CUDA_CHECK(fn, launch<float>(pr, stream)); break;
+    case MSDA_F64: MSDA_CUDA_CHECK(fn, launch<double>(pr, stream)); break;
+    case MSDA_F16: MSDA_CUDA_CHECK(fn, launch<__half>(pr, stream)); break;
+    case MSDA_BF16: MSDA_CUDA_CHECK(fn, launch<__nv_bfloat16>(pr, stream)); break;
     default: return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
     }
     MSDA_CUDA_CHECK(fn, cudaGetLastError());

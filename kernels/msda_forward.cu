@@ -2,12 +2,18 @@
  *
  * out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
  *                                                                  y = loc_y*H_l - 0.5)
- * Thread map: one warp per (b, q, h); lane j owns channels j, j+32, j+64, ... Every lane reads the
- *   same location and weight (a broadcast load); the 32 lanes of a corner read 32 consecutive
- *   channels of one value row (coalesced).
+ * Thread map (fast path, f32/f16/bf16 with C a power-of-two multiple of 16 bytes): a group of
+ *   G = C / V threads per (b, q, h), each owning V = 16 / sizeof(T) channels, one 16-byte load
+ *   per corner; 256 / G items per block; the block first stages the sampling geometry of its
+ *   items (K points each) in shared memory, one thread per point, then every group gathers.
+ *   Consecutive blocks hold consecutive queries, which sample nearby pixels (L1/L2 reuse).
+ *   Generic path (f64, any other C, unaligned pointers): one warp per (b, q, h), lane j owns
+ *   channels j, j+32, ...; every lane computes the geometry itself.
  * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64; corners outside the level or outside
- *   [0, S) contribute 0 (see sample_point in common.cuh).
- * Tried: v1 (this) warp per (b, q, h), the correct-first version; speed work comes next.
+ *   [0, S) contribute 0 (locate / pixel_index in common.cuh).
+ * Tried (H100, ddetr_enc f32 / bf16 forward):
+ *   v1 generic warp per (b, q, h), geometry per lane ............... 1.605 / 1.534 ms
+ *   v2 fast path above ................................................ see BENCHMARKS.md
  */
 #include "common.cuh"
 
@@ -54,11 +60,84 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     }
 }
 
+template <typename T, int G>
+__global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
+    constexpr int V = VecOf<T>::V;
+    typedef Stage<G> St;
+    __shared__ int4 s_rows[St::IPB * St::STRIDE];
+    __shared__ float4 s_geo[St::IPB * St::STRIDE];
+    const T *value = (const T *)pr.value;
+    T *out = (T *)pr.output;
+    const int64_t n_items = pr.B * pr.Q * pr.H, LP = pr.L * pr.P, H = pr.H, C = pr.C;
+    const int local = threadIdx.x / G, g = threadIdx.x % G;
+    for (int64_t base = (int64_t)blockIdx.x * St::IPB; base < n_items;
+         base += (int64_t)gridDim.x * St::IPB) {
+        const int64_t item = base + local;
+        const int64_t h = (uint32_t)item % (uint32_t)H;
+        const T *vbase = value + h * C + g * V;
+        float acc[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] = 0.f;
+        for (int64_t p0 = 0; p0 < LP; p0 += St::K) {
+            for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+                const int il = j / St::K, k = j % St::K;
+                int4 rows = make_int4(-1, -1, -1, -1);
+                float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (base + il < n_items && p0 + k < LP) stage_point<T>(pr, base + il, p0 + k, rows, geo);
+                s_rows[il * St::STRIDE + k] = rows;
+                s_geo[il * St::STRIDE + k] = geo;
+            }
+            __syncthreads();
+            if (item < n_items) {
+                const int kn = (int)(LP - p0 < St::K ? LP - p0 : St::K);
+#pragma unroll 4
+                for (int k = 0; k < kn; k++) {
+                    const int4 rows = s_rows[local * St::STRIDE + k];
+                    const float4 geo = s_geo[local * St::STRIDE + k];
+                    const float a = geo.x, fx = geo.y, fy = geo.z;
+                    const float w[4] = {a * (1.f - fx) * (1.f - fy), a * fx * (1.f - fy),
+                                        a * (1.f - fx) * fy, a * fx * fy};
+                    const int r[4] = {rows.x, rows.y, rows.z, rows.w};
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        if (r[c] < 0) continue;
+                        float v[V];
+                        load_vec(vbase + (int64_t)r[c] * H * C, v);
+#pragma unroll
+                        for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        if (item < n_items) store_vec(out + item * C + g * V, acc);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // launcher
 
-template <typename T> static void launch(const msda_problem *pr, cudaStream_t stream) {
+template <typename T, int G>
+static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
+    msda_forward_fast<T, G><<<item_blocks(pr->B * pr->Q * pr->H, G), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
+}
+
+template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
+    if constexpr (HasFast<T>::value) {
+        const void *ptrs[] = {pr->value, pr->output};
+        switch (fast_group(pr, VecOf<T>::V, ptrs, 2)) {
+        case 1: return launch_fast<T, 1>(pr, stream);
+        case 2: return launch_fast<T, 2>(pr, stream);
+        case 4: return launch_fast<T, 4>(pr, stream);
+        case 8: return launch_fast<T, 8>(pr, stream);
+        case 16: return launch_fast<T, 16>(pr, stream);
+        case 32: return launch_fast<T, 32>(pr, stream);
+        default: break;
+        }
+    }
     msda_forward_kernel<T><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -71,10 +150,10 @@ extern "C" int msda_cuda_forward(const msda_problem *pr) {
     cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
     cudaStream_t stream = (cudaStream_t)pr->stream;
     switch (pr->dtype) {
-    case MSDA_F32: launch<float>(pr, stream); break;
-    case MSDA_F64: launch<double>(pr, stream); break;
-    case MSDA_F16: launch<__half>(pr, stream); break;
-    case MSDA_BF16: launch<__nv_bfloat16>(pr, stream); break;
+    case MSDA_F32: MSDA_CUDA_CHECK(fn, launch<float>(pr, stream)); break;
+    case MSDA_F64: MSDA_CUDA_CHECK(fn, launch<double>(pr, stream)); break;
+    case MSDA_F16: MSDA_CUDA_CHECK(fn, launch<__half>(pr, stream)); break;
+    case MSDA_BF16: MSDA_CUDA_CHECK(fn, launch<__nv_bfloat16>(pr, stream)); break;
     default: return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
     }
     MSDA_CUDA_CHECK(fn, cudaGetLastError());

@@ -2,6 +2,7 @@
 
     python -m pymsda          info and self-check (exit status 1 if a check fails)
     python -m pymsda info     info only
+    python -m pymsda bench    benchmark against the PyTorch reference (bench --help for options)
 """
 import argparse
 import platform
@@ -79,9 +80,13 @@ def check(device):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # bench has options of its own
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m pymsda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="check", choices=["check", "info"])
+    parser.add_argument("command", nargs="?", default="check", choices=["check", "info", "bench"])
     args = parser.parse_args(argv)
     info()
     if args.command == "info":

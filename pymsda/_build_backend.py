@@ -157,7 +157,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     files = _dist_info_files(project)
     for directory, subdirs, names in os.walk(os.path.join(ROOT, "pymsda")):
         subdirs[:] = [d for d in subdirs if d != "__pycache__"]
-        for path in [os.path.join(directory, n) for n in names if n.endswith(".py")]:
+        for path in [os.path.join(directory, n) for n in names if n.endswith((".py", ".json"))]:
             if path != os.path.abspath(__file__):
                 files[os.path.relpath(path, ROOT).replace(os.sep, "/")] = _read(path)
     files["pymsda/" + LIBRARY] = _read(_ensure_library())

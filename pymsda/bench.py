@@ -1,0 +1,514 @@
+"""python -m pymsda bench: times pymsda against the pure-PyTorch reference and reports both errors.
+
+What is measured, per named shape (bench_shapes.json, the "gpu" or "cpu" group), dtype and pass:
+  fwd     forward only, under torch.no_grad()
+  bwd     backward only: the forward runs outside the timed region with requires_grad inputs,
+          then torch.autograd.grad(out, (value, loc, attn), grad_out, retain_graph=True) is timed
+          (retain_graph, so the same graph can be differentiated again)
+  fwdbwd  forward and that backward together
+The reference (pymsda.reference.ms_deform_attn_pytorch, grid_sample) is timed the same way; its
+backward is autograd through grid_sample. If it fails (out of memory, a dtype it lacks) the row
+says "n/a" with the reason and the run goes on.
+
+How: `--sets` input sets are drawn per shape and dtype (seeded, on the device; drawn in f32, or
+f64 for f64, then cast) and calls rotate among them so that no set stays cached. After warm-up
+calls, every call is timed on its own: CUDA event pairs on the GPU, time.perf_counter on the CPU.
+A time is the median over reps * sets calls.
+
+Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
+centre for an encoder (Q = S, queries in value order), uniform in [0.05, 0.95]^2 for a decoder;
+offsets in pixels along the head's direction times (p + 1), as Deformable DETR initialises them,
+plus N(0, 1) noise; weights a softmax over L*P of N(0, 1). uniform: locations uniform in
+[-0.05, 1.05], weights uniform then normalised.
+
+Precision, beside the times: relative L2 error ||out - ref64|| / ||ref64|| of pymsda's forward
+against the reference run in float64 on the same (rounded) inputs; the reference's own error in the
+benchmarked dtype; and, for f32, the errors of the three gradients.
+
+--overhead adds the host cost of one eager call on a tiny shape (microseconds per call, plain and
+requires_grad inputs, no synchronisation inside the loop).
+"""
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+
+import torch
+
+from . import _lib, has_cuda, library_path
+from .ops import ms_deform_attn
+from .reference import ms_deform_attn_pytorch
+
+PASSES = ("fwd", "bwd", "fwdbwd")
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
+DISTRIBUTIONS = ("realistic", "uniform")
+ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn")
+SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_shapes.json")
+
+
+def load_shapes():
+    """bench_shapes.json as a dict: groups "gpu" and "cpu" of {name: spec}, and "locations"."""
+    with open(SHAPES_FILE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() and has_cuda() else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def head_offsets(heads, levels, points, dtype=torch.float64, device="cpu"):
+    """(H, L, P, 2) offsets in pixels, Deformable DETR's initialisation: the direction of angle
+    2*pi*h/H scaled so its largest component is 1, times (p + 1)."""
+    angle = torch.arange(heads, dtype=dtype, device=device) * (2 * math.pi / heads)
+    direction = torch.stack([angle.cos(), angle.sin()], -1)
+    direction = direction / direction.abs().amax(-1, keepdim=True)
+    steps = torch.arange(1, points + 1, dtype=dtype, device=device)
+    return (direction[:, None, None, :] * steps[None, None, :, None]).expand(heads, levels, points, 2)
+
+
+def pixel_centres(levels, dtype=torch.float64, device="cpu"):
+    """(S, 2) normalised (x, y) of every value position's pixel centre, level by level, row-major."""
+    centres = []
+    for h, w in levels:
+        ys = (torch.arange(h, dtype=dtype, device=device) + 0.5) / h
+        xs = (torch.arange(w, dtype=dtype, device=device) + 0.5) / w
+        grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")
+        centres.append(torch.stack([grid_x.reshape(-1), grid_y.reshape(-1)], -1))
+    return torch.cat(centres)
+
+
+def make_inputs(spec, dtype=torch.float32, device="cpu", dist="realistic", seed=0, noise=1.0):
+    """One input set for a bench_shapes.json spec: a dict with value (B, S, H, C), spatial_shapes
+    (a list of (H_l, W_l)), sampling_locations (B, Q, H, L, P, 2), attention_weights
+    (B, Q, H, L, P) and grad_output (B, Q, H*C), all of `dtype` on `device`. `noise` is the
+    standard deviation, in pixels, of the realistic offsets' noise."""
+    device = torch.device(device)
+    levels = [(int(h), int(w)) for h, w in spec["levels"]]
+    B, H, C, P, L = spec["B"], spec["H"], spec["C"], spec["P"], len(levels)
+    S = sum(h * w for h, w in levels)
+    encoder = spec.get("Q") is None
+    Q = S if encoder else spec["Q"]
+    draw = dict(generator=torch.Generator(device=device).manual_seed(seed), device=device,
+                dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    value = torch.randn(B, S, H, C, **draw)
+    if dist == "realistic":
+        if encoder:
+            reference = pixel_centres(levels, draw["dtype"], device).expand(B, Q, 2)
+        else:
+            reference = 0.05 + 0.9 * torch.rand(B, Q, 2, **draw)
+        pixels = head_offsets(H, L, P, draw["dtype"], device) + noise * torch.randn(B, Q, H, L, P, 2, **draw)
+        level_sizes = torch.tensor([[w, h] for h, w in levels], dtype=draw["dtype"], device=device)
+        locations = reference[:, :, None, None, None, :] + pixels / level_sizes[:, None, :]
+        weights = torch.randn(B, Q, H, L * P, **draw).softmax(-1).view(B, Q, H, L, P)
+    elif dist == "uniform":
+        locations = torch.rand(B, Q, H, L, P, 2, **draw) * 1.1 - 0.05
+        weights = torch.rand(B, Q, H, L, P, **draw)
+        weights = weights / weights.sum((-2, -1), keepdim=True)
+    else:
+        raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {dist!r}")
+    grad_output = torch.randn(B, Q, H * C, **draw)
+    return dict(value=value.to(dtype), spatial_shapes=levels, sampling_locations=locations.to(dtype),
+                attention_weights=weights.to(dtype), grad_output=grad_output.to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def _pymsda(value, spatial_shapes, sampling_locations, attention_weights):
+    return ms_deform_attn(value, spatial_shapes, None, sampling_locations, attention_weights)
+
+
+IMPLEMENTATIONS = {"pymsda": _pymsda, "reference": ms_deform_attn_pytorch}
+
+
+def _forward_no_grad(op, inputs):
+    with torch.no_grad():
+        return op(inputs["value"], inputs["spatial_shapes"], inputs["sampling_locations"],
+                  inputs["attention_weights"])
+
+
+def _forward_backward(op, shapes, leaves, grad_output):
+    out = op(leaves[0], shapes, leaves[1], leaves[2])
+    return torch.autograd.grad(out, leaves, grad_output)
+
+
+def pass_calls(op, input_sets, pass_name):
+    """One argument-less callable per input set that runs `pass_name` of `op`. For "bwd" the
+    forward graphs are built here, outside whatever times the calls."""
+    calls = []
+    for inputs in input_sets:
+        if pass_name == "fwd":
+            calls.append(functools.partial(_forward_no_grad, op, inputs))
+            continue
+        leaves = [inputs[k].detach().requires_grad_()
+                  for k in ("value", "sampling_locations", "attention_weights")]
+        shapes, grad_output = inputs["spatial_shapes"], inputs["grad_output"]
+        if pass_name == "bwd":
+            out = op(leaves[0], shapes, leaves[1], leaves[2])
+            calls.append(functools.partial(torch.autograd.grad, out, leaves, grad_output,
+                                           retain_graph=True))
+        else:
+            calls.append(functools.partial(_forward_backward, op, shapes, leaves, grad_output))
+    return calls
+
+
+def median_ms(calls, reps, device, warmup):
+    """Median milliseconds of one call, over reps rounds of every call in turn, after warmup calls."""
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = []
+        for _ in range(reps):
+            for call in calls:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                events.append((start, end))
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+    times = []
+    for _ in range(reps):
+        for call in calls:
+            start = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _failure(error):
+    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error):
+        return "out of memory"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:120]
+
+
+def _free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# precision
+
+
+def rel_l2(actual, expected):
+    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+def precision(inputs):
+    """The errors of ERROR_KEYS for one input set against the float64 reference (None where not
+    measured: gradients are compared for f32 only, the reference's own error for non-f64 only)."""
+    dtype, shapes, grad_output = inputs["value"].dtype, inputs["spatial_shapes"], inputs["grad_output"]
+    keys = ("value", "sampling_locations", "attention_weights")
+    with_grads = dtype == torch.float32
+    errors = dict.fromkeys(ERROR_KEYS)
+    leaves64 = [inputs[k].detach().double().requires_grad_(with_grads) for k in keys]
+    ref64 = ms_deform_attn_pytorch(leaves64[0], shapes, leaves64[1], leaves64[2])
+    if with_grads:
+        leaves = [inputs[k].detach().requires_grad_() for k in keys]
+        out = _pymsda(leaves[0], shapes, leaves[1], leaves[2])
+        grads = torch.autograd.grad(out, leaves, grad_output)
+        ref_grads = torch.autograd.grad(ref64, leaves64, grad_output.double())
+        for key, grad, ref_grad in zip(ERROR_KEYS[2:], grads, ref_grads):
+            errors[key] = rel_l2(grad, ref_grad)
+    else:
+        out = _forward_no_grad(_pymsda, inputs)
+    errors["forward"] = rel_l2(out.detach(), ref64.detach())
+    if dtype != torch.float64:
+        try:
+            errors["reference_forward"] = rel_l2(_forward_no_grad(ms_deform_attn_pytorch, inputs), ref64.detach())
+        except Exception as error:  # a dtype grid_sample lacks here: the column says n/a
+            errors["reference_error_note"] = _failure(error)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def environment(device, command=None):
+    """What a benchmark table must be published with."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+    built = _lib.lib.msda_cuda_version() if _lib.lib.msda_has_cuda() else 0
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": name,
+        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version",
+                                   "--format=csv,noheader"]).split("\n")[0] or "n/a",
+        "torch": torch.__version__,
+        "cuda": f"{torch.version.cuda or 'none'} (torch), "
+                f"{f'{built // 1000}.{built % 1000 // 10}' if built else 'none'} (pymsda build)",
+        "library": library_path(),
+        "commit": _git_commit(),
+        "command": command or "n/a",
+    }
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
+
+def _command_output(argv, cwd=None):
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _git_commit():
+    """The short commit of the checkout this package was imported from, "-dirty" when tracked files
+    differ from it; "n/a" for an installed package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    top = _command_output(["git", "rev-parse", "--show-toplevel"], root)
+    if not top or os.path.realpath(top) != os.path.realpath(root):
+        return "n/a"
+    commit = _command_output(["git", "rev-parse", "--short", "HEAD"], root) or "n/a"
+    dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"], root)
+    return commit + ("-dirty" if dirty else "")
+
+
+def measure_overhead(device, reference=True, calls=2000, warmup=200):
+    """Host microseconds per eager forward call on a tiny shape (B=Q=H=L=P=1, a 4x4 level, C=4),
+    with plain and with requires_grad inputs; on CUDA one synchronisation after the loop."""
+    spec = {"B": 1, "levels": [[4, 4]], "Q": 1, "H": 1, "C": 4, "P": 1}
+    inputs = make_inputs(spec, torch.float32, device)
+    result = {"calls": calls}
+    for impl in ("pymsda", "reference") if reference else ("pymsda",):
+        op = IMPLEMENTATIONS[impl]
+        for mode in ("plain", "requires_grad"):
+            args = [inputs[k].detach().requires_grad_(mode == "requires_grad")
+                    for k in ("value", "sampling_locations", "attention_weights")]
+            for _ in range(warmup):
+                op(args[0], inputs["spatial_shapes"], args[1], args[2])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                op(args[0], inputs["spatial_shapes"], args[1], args[2])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            result[f"{impl}_{mode}_us"] = (time.perf_counter() - start) / calls * 1e6
+    return result
+
+
+def _time_pass(input_sets, pass_name, reps, device, warmup, reference):
+    """The timing columns of one row; a failing reference gives "n/a" and its reason."""
+    row = {"pass": pass_name, "reference_ms": None, "reference_note": None, "speedup": None}
+    row["pymsda_ms"] = median_ms(pass_calls(_pymsda, input_sets, pass_name), reps, device, warmup)
+    _free(device)
+    if not reference:
+        row["reference_note"] = "not run"
+        return row
+    try:
+        row["reference_ms"] = median_ms(pass_calls(ms_deform_attn_pytorch, input_sets, pass_name),
+                                        reps, device, warmup)
+        row["speedup"] = row["reference_ms"] / row["pymsda_ms"]
+    except Exception as error:  # recorded in the row; the run goes on
+        row["reference_note"] = _failure(error)
+    _free(device)
+    return row
+
+
+def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, reps=None,
+        sets=3, reference=True, overhead=False, command=None, progress=True):
+    """Benchmarks every shape x dtype x pass. shapes: {name: spec} (default: the device's group of
+    bench_shapes.json); dtypes: names of DTYPES. Returns {"metadata", "settings", "shapes", "rows",
+    "overhead"}; one row per shape, dtype and pass, its "errors" shared by the shape's dtype."""
+    device = torch.device(device or default_device())
+    cuda = device.type == "cuda"
+    shapes = shapes if shapes is not None else load_shapes()["gpu" if cuda else "cpu"]
+    dtypes = list(dtypes or (["f32", "bf16", "f16"] if cuda else ["f32"]))
+    reps = reps or (30 if cuda else 5)
+    warmup = max(5, sets) if cuda else sets  # every input set at least once
+    log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
+    metadata = environment(device, command)
+    settings = dict(device=str(device), dtypes=dtypes, dist=dist, passes=list(passes), reps=reps,
+                    sets=sets, warmup=warmup, reference=reference, threads=torch.get_num_threads())
+    for key, text in metadata.items():
+        log(f"{key + ':':9s} {text}")
+    log("settings: " + " ".join(f"{k}={v}" for k, v in settings.items()))
+    time_pass = functools.partial(_time_pass, reps=reps, device=device, warmup=warmup,
+                                  reference=reference)
+    rows = []
+    for name, spec in shapes.items():
+        for dtype_name in dtypes:
+            input_sets = [make_inputs(spec, DTYPES[dtype_name], device, dist,
+                                      seed=zlib.crc32(f"{name}/{i}".encode()))
+                          for i in range(sets)]
+            try:
+                errors = precision(input_sets[0])
+            except Exception as error:  # the f64 reference itself out of memory: times still count
+                errors = dict(dict.fromkeys(ERROR_KEYS), note=_failure(error))
+            _free(device)
+            group = [dict(shape=name, dtype=dtype_name, dist=dist, **time_pass(input_sets, p),
+                          errors=errors) for p in passes]
+            del input_sets
+            _free(device)
+            rows += group
+            times = "  ".join(f"{r['pass']} {r['pymsda_ms']:.3f} ms"
+                              + (f" ({r['speedup']:.1f}x)" if r["speedup"] else "") for r in group)
+            log(f"{name} {dtype_name}: {times}  | fwd error {_number(errors['forward'])}")
+    return {"metadata": metadata, "settings": settings, "shapes": shapes, "rows": rows,
+            "overhead": measure_overhead(device, reference) if overhead else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _number(x, fmt=".1e"):
+    return "n/a" if x is None else format(x, fmt)
+
+
+def format_table(result):
+    header = ["shape", "dtype", "pass", "pymsda ms", "reference ms", "speed-up", "error",
+              "ref error", "grad_value", "grad_loc", "grad_attn"]
+    lines, previous = [], None
+    for row in result["rows"]:
+        errors = row["errors"]
+        first = (row["shape"], row["dtype"]) != previous
+        previous = (row["shape"], row["dtype"])
+        reference = (_number(row["reference_ms"], ".3f") if row["reference_ms"] is not None
+                     else f"n/a ({row['reference_note']})")
+        lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
+                      f"{row['pymsda_ms']:.3f}", reference,
+                      _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
+                      *(_number(errors[k]) if first else "" for k in ERROR_KEYS)])
+    widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]
+    text = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(cells, widths)))
+            for cells in [header] + lines]
+    overhead = result.get("overhead")
+    if overhead:
+        text.append(f"\nhost overhead per eager forward call (tiny shape, {overhead['calls']} calls):")
+        for key, us in overhead.items():
+            if key.endswith("_us"):
+                text.append(f"  {key[:-3].replace('_', ' ', 1):26s} {us:8.1f} us")
+    return "\n".join(text)
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["shape"], r["dtype"]) for r in result["rows"]))
+    passes = list(dict.fromkeys(r["pass"] for r in result["rows"]))
+    width = 0.8 / len(passes)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4.5))
+    for k, pass_name in enumerate(passes):
+        speedups = [next((r["speedup"] or 0 for r in result["rows"]
+                          if (r["shape"], r["dtype"], r["pass"]) == (*g, pass_name)), 0) for g in groups]
+        ax.bar([i + (k - (len(passes) - 1) / 2) * width for i in range(len(groups))], speedups,
+               width, label=pass_name)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), [f"{s}\n{d}" for s, d in groups], fontsize=8)
+    ax.set_ylabel("speed-up over the PyTorch reference")
+    ax.set_title(f"pymsda on {result['metadata']['device']} ({result['settings']['dist']} inputs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_ready(x):
+    """Strict JSON: a non-finite float (the reference's own f16 NaNs) becomes the string "nan"."""
+    if isinstance(x, dict):
+        return {k: _json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_ready(v) for v in x]
+    return str(x) if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def write_json(result, path):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_ready(result), f, indent=1, allow_nan=False)
+
+
+def _comma_list(allowed):
+    def parse(text):
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+        return items
+    return parse
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m pymsda bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda when a GPU and the library's CUDA kernels are there")
+    parser.add_argument("--shapes", help="NAME[,NAME..] of the device's group (default: all)")
+    parser.add_argument("--dtype", type=_comma_list(list(DTYPES)),
+                        help="comma list of f32,bf16,f16,f64 (default: f32,bf16,f16 on cuda, f32 on cpu)")
+    parser.add_argument("--dist", choices=DISTRIBUTIONS, default="realistic")
+    parser.add_argument("--pass", dest="passes", type=_comma_list(PASSES), default=list(PASSES))
+    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda, 5 on cpu)")
+    parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
+    parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
+    parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")
+    parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speed-ups")
+    args = parser.parse_args(argv)
+
+    device = args.device or default_device()
+    if device == "cuda" and not (torch.cuda.is_available() and has_cuda()):
+        parser.error("--device cuda needs a GPU visible to torch and a libpymsda built with CUDA "
+                     "kernels (see python -m pymsda info)")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    for option in ("reps", "sets", "threads"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    group_name = "gpu" if device == "cuda" else "cpu"
+    group = load_shapes()[group_name]
+    names = [n.strip() for n in args.shapes.split(",")] if args.shapes else list(group)
+    unknown = [n for n in names if n not in group]
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(unknown)}; the {group_name} group has "
+                     f"{', '.join(group)}")
+
+    result = run({n: group[n] for n in names}, device, args.dtype, args.dist, args.passes,
+                 args.reps, args.sets, reference=not args.no_reference, overhead=args.overhead,
+                 command=shlex.join(["python", "-m", "pymsda", "bench"] + argv))
+    print()
+    print(format_table(result), flush=True)
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

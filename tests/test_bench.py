@@ -1,0 +1,195 @@
+"""tests/test_bench.py: the benchmark machinery (pymsda/bench.py) on the CPU, on tiny shapes.
+
+Checks what the numbers mean, never how fast anything is: the rows and their keys, the precision
+columns, the input distributions of bench_shapes.json "locations", the JSON output, the CLI.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from pymsda import bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_SHAPES = {
+    "tiny_enc": {"B": 1, "levels": [[6, 8], [3, 4]], "Q": None, "H": 4, "C": 4, "P": 2},
+    "tiny_dec": {"B": 2, "levels": [[5, 7], [3, 3]], "Q": 5, "H": 2, "C": 8, "P": 3},
+}
+ROW_KEYS = {"shape", "dtype", "dist", "pass", "pymsda_ms", "reference_ms", "reference_note",
+            "speedup", "errors"}
+
+
+@pytest.fixture(scope="module")
+def result():
+    return bench.run(TINY_SHAPES, device="cpu", dtypes=["f32", "bf16"], reps=1, sets=2,
+                     overhead=True, progress=False)
+
+
+def test_run_gives_one_row_per_shape_dtype_and_pass_with_the_expected_keys(result):
+    combos = [(r["shape"], r["dtype"], r["pass"]) for r in result["rows"]]
+    assert combos == [(s, d, p) for s in TINY_SHAPES for d in ("f32", "bf16") for p in bench.PASSES]
+    for row in result["rows"]:
+        assert set(row) == ROW_KEYS
+        assert set(bench.ERROR_KEYS) <= set(row["errors"])
+        assert row["pymsda_ms"] > 0 and row["reference_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["reference_ms"] / row["pymsda_ms"])
+    assert {"date", "device", "driver", "torch", "cuda", "library", "commit", "command"} <= set(
+        result["metadata"])
+
+
+def test_run_reports_small_f32_errors_for_forward_and_gradients(result):
+    for row in result["rows"]:
+        errors = row["errors"]
+        if row["dtype"] == "f32":
+            for key in ("forward", "grad_value", "grad_loc", "grad_attn"):
+                assert errors[key] < 1e-5, (row["shape"], key, errors[key])
+            assert errors["reference_forward"] < 1e-5
+        else:  # bf16: no gradient errors, the reference's own error beside pymsda's
+            assert errors["forward"] < 2e-2
+            assert errors["grad_value"] is None and errors["reference_forward"] is not None
+
+
+def test_no_reference_leaves_the_reference_columns_empty():
+    result = bench.run({"tiny_dec": TINY_SHAPES["tiny_dec"]}, device="cpu", dtypes=["f64"],
+                       passes=["fwd"], reps=1, sets=1, reference=False, progress=False)
+    (row,) = result["rows"]
+    assert row["reference_ms"] is None and row["speedup"] is None and row["reference_note"]
+    assert row["errors"]["forward"] < 1e-12 and row["errors"]["reference_forward"] is None
+    assert "n/a" in bench.format_table(result)
+
+
+def test_realistic_encoder_locations_minus_offsets_are_the_query_pixel_centres():
+    spec = TINY_SHAPES["tiny_enc"]
+    inputs = bench.make_inputs(spec, torch.float64, noise=0.0)
+    loc = inputs["sampling_locations"]
+    B, Q, H, L, P, _ = loc.shape
+    levels = spec["levels"]
+    assert Q == sum(h * w for h, w in levels)
+    # Deformable DETR's initial offsets, in pixels: direction (cos, sin) / max-abs, times (p + 1).
+    offsets = torch.zeros(H, L, P, 2, dtype=torch.float64)
+    for h in range(H):
+        direction = torch.tensor([math.cos(2 * math.pi * h / H), math.sin(2 * math.pi * h / H)],
+                                 dtype=torch.float64)
+        direction /= direction.abs().max()
+        for level, (height, width) in enumerate(levels):
+            for p in range(P):
+                offsets[h, level, p] = direction * (p + 1) / torch.tensor([width, height])
+    centres = [((j + 0.5) / width, (i + 0.5) / height)
+               for height, width in levels for i in range(height) for j in range(width)]
+    centres = torch.tensor(centres, dtype=torch.float64)[None, :, None, None, None, :]
+    torch.testing.assert_close(loc - offsets, centres.expand_as(loc), rtol=0, atol=1e-12)
+
+
+def test_realistic_decoder_reference_points_lie_in_the_inner_box_and_noise_moves_them():
+    spec = TINY_SHAPES["tiny_dec"]
+    quiet = bench.make_inputs(spec, torch.float64, noise=0.0, seed=3)["sampling_locations"]
+    noisy = bench.make_inputs(spec, torch.float64, noise=1.0, seed=3)["sampling_locations"]
+    offsets = bench.head_offsets(spec["H"], 2, spec["P"]) / torch.tensor(
+        [[w, h] for h, w in spec["levels"]], dtype=torch.float64)[:, None, :]
+    reference = quiet - offsets
+    assert torch.allclose(reference, reference[:, :, :1, :1, :1].expand_as(reference))
+    assert reference.min() >= 0.05 and reference.max() <= 0.95
+    assert not torch.allclose(quiet, noisy)
+
+
+@pytest.mark.parametrize("dist", ["realistic", "uniform"])
+def test_attention_weights_sum_to_one_over_levels_and_points(dist):
+    inputs = bench.make_inputs(TINY_SHAPES["tiny_dec"], torch.float64, dist=dist)
+    sums = inputs["attention_weights"].sum((-2, -1))
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    if dist == "uniform":
+        loc = inputs["sampling_locations"]
+        assert loc.min() >= -0.05 and loc.max() <= 1.05
+
+
+def test_input_sets_are_seeded_and_cast_to_the_dtype():
+    spec = TINY_SHAPES["tiny_enc"]
+    a = bench.make_inputs(spec, torch.bfloat16, seed=1)
+    assert all(a[k].dtype == torch.bfloat16 for k in ("value", "sampling_locations",
+                                                      "attention_weights", "grad_output"))
+    assert torch.equal(a["value"], bench.make_inputs(spec, torch.bfloat16, seed=1)["value"])
+    assert not torch.equal(a["value"], bench.make_inputs(spec, torch.bfloat16, seed=2)["value"])
+
+
+def test_overhead_reports_microseconds_per_call(result):
+    overhead = result["overhead"]
+    for key in ("pymsda_plain_us", "pymsda_requires_grad_us", "reference_plain_us",
+                "reference_requires_grad_us"):
+        assert overhead[key] > 0
+    assert "pymsda requires_grad" in bench.format_table(result)
+
+
+def test_json_file_is_strict_json_with_metadata_and_rows(result, tmp_path):
+    result = dict(result, rows=[dict(r, errors=dict(r["errors"], forward=float("nan")))
+                                for r in result["rows"]])
+    path = tmp_path / "bench.json"
+    bench.write_json(result, path)
+    loaded = json.loads(path.read_text())
+    assert loaded["metadata"]["torch"] == torch.__version__
+    assert len(loaded["rows"]) == len(result["rows"]) and loaded["rows"][0]["errors"]["forward"] == "nan"
+
+
+def test_shapes_file_ships_in_the_package_and_names_both_groups(tmp_path):
+    shapes = bench.load_shapes()
+    assert {"ddetr_enc", "ddetr_dec"} <= set(shapes["gpu"]) and "small_enc" in shapes["cpu"]
+    assert set(shapes["locations"]) == set(bench.DISTRIBUTIONS)
+    sys.path.insert(0, os.path.join(REPO, "pymsda"))
+    try:
+        import _build_backend
+    finally:
+        sys.path.pop(0)
+    if not os.path.isfile(os.path.join(REPO, "build", "libpymsda.so")):
+        pytest.skip("no build/libpymsda.so to put in a wheel")
+    name = _build_backend.build_wheel(str(tmp_path))
+    assert "pymsda/bench_shapes.json" in zipfile.ZipFile(tmp_path / name).namelist()
+
+
+def test_cli_bench_on_cpu_exits_0_and_writes_json(tmp_path):
+    path = tmp_path / "out.json"
+    command = [sys.executable, "-m", "pymsda", "bench", "--device", "cpu", "--shapes", "small_enc",
+               "--reps", "1", "--sets", "1", "--no-reference", "--json", str(path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "small_enc" in done.stdout and "pymsda ms" in done.stdout
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["pass"] for r in rows] == list(bench.PASSES)
+
+
+def test_cli_bench_rejects_an_unknown_shape():
+    done = subprocess.run([sys.executable, "-m", "pymsda", "bench", "--device", "cpu",
+                           "--shapes", "no_such_shape"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "small_enc" in done.stderr
+
+
+def test_plot_writes_a_png(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "speedups.png"
+    bench.plot(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_stops_before_running_with_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--device", "cpu", "--plot", "never_written.png"])
+    assert stop.value.code == 2 and "matplotlib" in capsys.readouterr().err
+
+
+def test_a_failing_reference_gives_na_with_the_reason_and_the_run_goes_on(monkeypatch):
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1 TiB")
+
+    monkeypatch.setattr(bench, "ms_deform_attn_pytorch", out_of_memory)
+    result = bench.run(TINY_SHAPES, device="cpu", dtypes=["f32"], passes=["fwd", "bwd"], reps=1,
+                       sets=1, progress=False)
+    assert len(result["rows"]) == 4
+    for row in result["rows"]:
+        assert row["pymsda_ms"] > 0 and row["reference_ms"] is None and row["speedup"] is None
+        assert row["reference_note"] == "out of memory" and row["errors"]["forward"] is None
+    assert "n/a (out of memory)" in bench.format_table(result)
