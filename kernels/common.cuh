@@ -157,8 +157,8 @@ static inline unsigned int warp_blocks(int64_t items) {
 // (one 16-byte load per corner). A block of 256 threads holds 256 / G items. The geometry of the
 // items' sampling points is computed once per point (not once per thread, as in the generic
 // kernels) by the whole block, K points per item at a time, and kept in shared memory:
-//   rows: for each corner, the row b*S + idx of value (int32), or -1 when it is outside;
-//   geo:  {attention weight, fx, fy, 0}.
+//   offs: for each corner, the element offset of its channel 0 for this head, or -1 if outside;
+//   geo:  the 4 corner weights times A (forward), or {A, fx, fy, 0} (backward).
 // Conditions: T is float, __half or __nv_bfloat16; C = G*V with G a power of two <= 32;
 // B*S < 2^31; value (and grad_value, output) 16-byte aligned. Otherwise the generic kernels run.
 
@@ -228,33 +228,75 @@ template <int G> struct Stage {
     static constexpr int STRIDE = K + 1; /* padded so groups in a warp hit different banks */
 };
 
-/* Geometry of sampling point `pidx` (0 <= pidx < L*P) of item (b, q, h) = `item`. */
-template <typename T>
-__device__ __forceinline__ void stage_point(const msda_problem &pr, int64_t item, int64_t pidx,
-                                            int4 &rows, float4 &geo) {
+#define MSDA_FAST_MAX_LEVELS 16
+
+/* The fast kernels' level table, read into shared memory once per block as {H_l, W_l, start}.
+ * A level whose sizes or start cannot belong to value (a side outside [1, 2^24], a start outside
+ * [0, S)) is stored as {0, 0, 0} and rejected by locate32. The caller synchronises. */
+__device__ __forceinline__ void load_levels(const msda_problem &pr, int4 *s_lvl) {
+    for (int l = threadIdx.x; l < pr.L; l += blockDim.x) {
+        const int64_t h = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
+        const int64_t w = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
+        const int64_t start = load_index(pr.level_start_index, pr.index_dtype, l);
+        const bool ok = h >= 1 && w >= 1 && h <= (1 << 24) && w <= (1 << 24) && start >= 0 &&
+                        start < pr.S;
+        s_lvl[l] = ok ? make_int4((int)h, (int)w, (int)start, 0) : make_int4(0, 0, 0, 0);
+    }
+}
+
+/* locate() in 32-bit arithmetic, for sides up to 2^24 (exact as floats). */
+__device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int &x0, int &y0,
+                                         float &fx, float &fy) {
+    if (lvl.y <= 0) return false;
+    const float Wf = (float)lvl.y, Hf = (float)lvl.x;
+    const float px = loc_x * Wf, py = loc_y * Hf;
+    const float ex = fmaf(loc_x, Wf, -px), ey = fmaf(loc_y, Hf, -py);
+    const float x = px - 0.5f, y = py - 0.5f;
+    if (!(x > -1.f && y > -1.f && x < Wf && y < Hf)) return false;
+    const float x0f = floorf(x), y0f = floorf(y);
+    x0 = (int)x0f;
+    y0 = (int)y0f;
+    fx = (x - x0f) + ex;
+    fy = (y - y0f) + ey;
+    return true;
+}
+
+/* Geometry of sampling point `pidx` (0 <= pidx < L*P) of item (b, q, h) = `item`:
+ *   offs: element offset in value of each corner's channel 0 for this head, or -1 if outside;
+ *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
+ * Offsets are int32: the fast path needs B*S*H*C < 2^31. Unsigned arithmetic wraps instead of
+ * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
+template <typename T, bool WEIGHTS>
+__device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int item,
+                                            int pidx, int4 &offs, float4 &geo) {
     const T *loc = (const T *)pr.sampling_locations;
     const T *attn = (const T *)pr.attention_weights;
-    const int64_t i = item * (pr.L * pr.P) + pidx;
-    const int l = (int)pidx / (int)pr.P; /* the fast path has L*P, B*Q*H < 2^31 */
-    const int64_t H_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
-    const int64_t W_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
-    const int64_t start = load_index(pr.level_start_index, pr.index_dtype, l);
-    rows = make_int4(-1, -1, -1, -1);
-    geo = make_float4(to_acc(attn[i]), 0.f, 0.f, 0.f);
-    int64_t x0, y0;
+    const int64_t i = (int64_t)item * (int)(pr.L * pr.P) + pidx;
+    const int4 lvl = s_lvl[pidx / (int)pr.P];
+    const float a = to_acc(attn[i]);
+    offs = make_int4(-1, -1, -1, -1);
+    geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
+    int x0, y0;
     float fx, fy;
-    if (!locate<float>(to_acc(loc[2 * i]), to_acc(loc[2 * i + 1]), H_l, W_l, x0, y0, fx, fy))
-        return;
-    geo.y = fx;
-    geo.z = fy;
-    const int64_t row0 = (int64_t)((uint32_t)item / (uint32_t)(pr.Q * pr.H)) * pr.S;
-    int r[4];
+    if (!locate32(to_acc(loc[2 * i]), to_acc(loc[2 * i + 1]), lvl, x0, y0, fx, fy)) return;
+    const int H = (int)pr.H, HC = (int)(pr.H * pr.C), S = (int)pr.S;
+    const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
+    const int head_off = b * S * HC + h * (int)pr.C;
+    int o[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        const int64_t idx = pixel_index(y0 + (k >> 1), x0 + (k & 1), H_l, W_l, start, pr.S);
-        r[k] = idx >= 0 ? (int)(row0 + idx) : -1;
+        const int yy = y0 + (k >> 1), xx = x0 + (k & 1);
+        const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
+        const bool in = (unsigned)yy < (unsigned)lvl.x && (unsigned)xx < (unsigned)lvl.y &&
+                        idx < (unsigned)S;
+        o[k] = in ? head_off + (int)idx * HC : -1;
     }
-    rows = make_int4(r[0], r[1], r[2], r[3]);
+    offs = make_int4(o[0], o[1], o[2], o[3]);
+    if (WEIGHTS)
+        geo = make_float4(a * (1.f - fx) * (1.f - fy), a * fx * (1.f - fy), a * (1.f - fx) * fy,
+                          a * fx * fy);
+    else
+        geo = make_float4(a, fx, fy, 0.f);
 }
 
 /* True when the fast kernels can serve this problem with G = C / V threads per item of V
@@ -264,7 +306,8 @@ static inline int fast_group(const msda_problem *pr, int64_t V, const void *cons
     if (pr->dtype == MSDA_F64 || pr->C % V != 0) return 0;
     const int64_t G = pr->C / V;
     if (G > 32 || (G & (G - 1)) != 0) return 0;
-    if (pr->B * pr->S >= ((int64_t)1 << 31) || pr->B * pr->Q * pr->H >= ((int64_t)1 << 31) ||
+    if (pr->B * pr->S * pr->H * pr->C >= ((int64_t)1 << 31) ||
+        pr->B * pr->Q * pr->H >= ((int64_t)1 << 31) || pr->L > MSDA_FAST_MAX_LEVELS ||
         pr->L * pr->P >= ((int64_t)1 << 31))
         return 0;
     for (int j = 0; j < n_ptrs; j++)

@@ -121,63 +121,67 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 /* V = 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the 4-float
  * pieces of a group contiguous (16-byte loads of 8 half channels left the atomics of a warp
  * half-filling twice as many sectors). */
+#ifndef MSDA_BWD_MINB
+#define MSDA_BWD_MINB 1
+#endif
 template <typename T, int G>
-__global__ void __launch_bounds__(256) msda_backward_fast(msda_problem pr) {
+__global__ void __launch_bounds__(256, MSDA_BWD_MINB) msda_backward_fast(msda_problem pr) {
     constexpr int V = 4;
     typedef Stage<G> St;
-    __shared__ int4 s_rows[St::IPB * St::STRIDE];
+    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
+    __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_geo[St::IPB * St::STRIDE];  /* {A, fx, fy, 0} */
     __shared__ float4 s_sums[St::IPB * St::STRIDE]; /* {d/dA, d/dfx, d/dfy, 0} before scaling */
-    const T *value = (const T *)pr.value;
+    const int g = threadIdx.x % G, local = threadIdx.x / G;
+    const T *value = (const T *)pr.value + g * V;
     const T *gout = (const T *)pr.grad_output;
-    float *grad_value = (float *)pr.grad_value;
+    float *grad_value = pr.grad_value ? (float *)pr.grad_value + g * V : nullptr;
     T *grad_loc = (T *)pr.grad_sampling_locations;
     T *grad_attn = (T *)pr.grad_attention_weights;
     const bool point_grads = grad_loc || grad_attn;
-    const int64_t n_items = pr.B * pr.Q * pr.H, LP = pr.L * pr.P, H = pr.H, C = pr.C;
-    const int local = threadIdx.x / G, g = threadIdx.x % G;
-    for (int64_t base = (int64_t)blockIdx.x * St::IPB; base < n_items;
-         base += (int64_t)gridDim.x * St::IPB) {
-        const int64_t item = base + local;
-        const int64_t h = (uint32_t)item % (uint32_t)H;
-        const int64_t lane_off = h * C + g * V; /* this lane's channels inside a value row */
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)(pr.L * pr.P), C = (int)pr.C;
+    load_levels(pr, s_lvl);
+    __syncthreads();
+    for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
+        const int item = base + local;
         float go[V];
         if (item < n_items) {
-            load_vec(gout + item * C + g * V, go);
+            load_vec(gout + (int64_t)item * C + g * V, go);
         } else {
 #pragma unroll
             for (int j = 0; j < V; j++) go[j] = 0.f;
         }
-        for (int64_t p0 = 0; p0 < LP; p0 += St::K) {
-            const int kn = (int)(LP - p0 < St::K ? LP - p0 : St::K);
+        for (int p0 = 0; p0 < LP; p0 += St::K) {
+            const int kn = LP - p0 < St::K ? LP - p0 : St::K;
             for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
                 const int il = j / St::K, k = j % St::K;
-                int4 rows = make_int4(-1, -1, -1, -1);
+                int4 offs = make_int4(-1, -1, -1, -1);
                 float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (base + il < n_items && k < kn) stage_point<T>(pr, base + il, p0 + k, rows, geo);
-                s_rows[il * St::STRIDE + k] = rows;
+                if (base + il < n_items && k < kn)
+                    stage_point<T, false>(pr, s_lvl, base + il, p0 + k, offs, geo);
+                s_offs[il * St::STRIDE + k] = offs;
                 s_geo[il * St::STRIDE + k] = geo;
             }
             __syncthreads();
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */
             for (int k = 0; k < kn; k++) {
-                const int4 rows = s_rows[local * St::STRIDE + k];
+                const int4 o4 = s_offs[local * St::STRIDE + k];
                 const float4 geo = s_geo[local * St::STRIDE + k];
                 const float a = geo.x, fx = geo.y, fy = geo.z;
                 const float w[4] = {(1.f - fx) * (1.f - fy), fx * (1.f - fy), (1.f - fx) * fy,
                                     fx * fy};
-                const int r[4] = {rows.x, rows.y, rows.z, rows.w};
+                const int o[4] = {o4.x, o4.y, o4.z, o4.w};
                 float v[4][V];
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
-                    if (r[c] >= 0) {
-                        load_vec(value + (int64_t)r[c] * H * C + lane_off, v[c]);
+                    if (o[c] >= 0) {
+                        load_vec(value + o[c], v[c]);
                         if (grad_value) {
                             float contrib[V];
 #pragma unroll
                             for (int j = 0; j < V; j++) contrib[j] = a * w[c] * go[j];
-                            atomic_add_vec<V>(grad_value + (int64_t)r[c] * H * C + lane_off, contrib);
+                            atomic_add_vec<V>(grad_value + o[c], contrib);
                         }
                     } else {
 #pragma unroll
@@ -202,12 +206,14 @@ __global__ void __launch_bounds__(256) msda_backward_fast(msda_problem pr) {
                 for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
                     const int il = j / St::K, k = j % St::K;
                     if (base + il >= n_items || k >= kn) continue;
-                    const int64_t pidx = p0 + k, i = (base + il) * LP + pidx;
-                    const int l = (int)pidx / (int)pr.P;
+                    const int pidx = p0 + k;
+                    const int64_t i = (int64_t)(base + il) * LP + pidx;
                     const float4 sums = s_sums[il * St::STRIDE + k];
                     const float a = s_geo[il * St::STRIDE + k].x;
                     if (grad_attn) grad_attn[i] = from_acc<T>(sums.x);
                     if (grad_loc) {
+                        /* the table's sides, not s_lvl's: a rejected level still scales 0 */
+                        const int l = pidx / (int)pr.P;
                         const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
                         const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
                         grad_loc[2 * i] = from_acc<T>(a * sums.y * W_l);

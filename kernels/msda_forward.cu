@@ -64,53 +64,50 @@ template <typename T, int G>
 __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
     constexpr int V = VecOf<T>::V;
     typedef Stage<G> St;
-    __shared__ int4 s_rows[St::IPB * St::STRIDE];
-    __shared__ float4 s_geo[St::IPB * St::STRIDE];
-    const T *value = (const T *)pr.value;
+    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
+    __shared__ int4 s_offs[St::IPB * St::STRIDE];
+    __shared__ float4 s_w[St::IPB * St::STRIDE];
+    const T *value = (const T *)pr.value + threadIdx.x % G * V;
     T *out = (T *)pr.output;
-    const int64_t n_items = pr.B * pr.Q * pr.H, LP = pr.L * pr.P, H = pr.H, C = pr.C;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)(pr.L * pr.P), C = (int)pr.C;
     const int local = threadIdx.x / G, g = threadIdx.x % G;
-    for (int64_t base = (int64_t)blockIdx.x * St::IPB; base < n_items;
-         base += (int64_t)gridDim.x * St::IPB) {
-        const int64_t item = base + local;
-        const int64_t h = (uint32_t)item % (uint32_t)H;
-        const T *vbase = value + h * C + g * V;
+    load_levels(pr, s_lvl);
+    __syncthreads();
+    for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
+        const int item = base + local;
         float acc[V];
 #pragma unroll
         for (int j = 0; j < V; j++) acc[j] = 0.f;
-        for (int64_t p0 = 0; p0 < LP; p0 += St::K) {
+        for (int p0 = 0; p0 < LP; p0 += St::K) {
+            const int kn = LP - p0 < St::K ? LP - p0 : St::K;
             for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
                 const int il = j / St::K, k = j % St::K;
-                int4 rows = make_int4(-1, -1, -1, -1);
-                float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (base + il < n_items && p0 + k < LP) stage_point<T>(pr, base + il, p0 + k, rows, geo);
-                s_rows[il * St::STRIDE + k] = rows;
-                s_geo[il * St::STRIDE + k] = geo;
+                int4 offs = make_int4(-1, -1, -1, -1);
+                float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (base + il < n_items && k < kn)
+                    stage_point<T, true>(pr, s_lvl, base + il, p0 + k, offs, w);
+                s_offs[il * St::STRIDE + k] = offs;
+                s_w[il * St::STRIDE + k] = w;
             }
             __syncthreads();
-            if (item < n_items) {
-                const int kn = (int)(LP - p0 < St::K ? LP - p0 : St::K);
 #pragma unroll 4
-                for (int k = 0; k < kn; k++) {
-                    const int4 rows = s_rows[local * St::STRIDE + k];
-                    const float4 geo = s_geo[local * St::STRIDE + k];
-                    const float a = geo.x, fx = geo.y, fy = geo.z;
-                    const float w[4] = {a * (1.f - fx) * (1.f - fy), a * fx * (1.f - fy),
-                                        a * (1.f - fx) * fy, a * fx * fy};
-                    const int r[4] = {rows.x, rows.y, rows.z, rows.w};
+            for (int k = 0; k < kn; k++) {
+                const int4 o4 = s_offs[local * St::STRIDE + k];
+                const float4 w4 = s_w[local * St::STRIDE + k];
+                const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+                const float w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        if (r[c] < 0) continue;
-                        float v[V];
-                        load_vec(vbase + (int64_t)r[c] * H * C, v);
+                for (int c = 0; c < 4; c++) {
+                    if (o[c] < 0) continue;
+                    float v[V];
+                    load_vec(value + o[c], v);
 #pragma unroll
-                        for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
-                    }
+                    for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
                 }
             }
             __syncthreads();
         }
-        if (item < n_items) store_vec(out + item * C + g * V, acc);
+        if (item < n_items) store_vec(out + (int64_t)item * C + g * V, acc);
     }
 }
 
