@@ -12,9 +12,11 @@ PYTHON   ?= python3
 
 CC       ?= cc
 CXX      ?= c++
+# CFLAGS, NVCCFLAGS and LDFLAGS are the user's (optimisation, extra -D); what the build needs is
+# added in ALL_* so that `make CFLAGS=...` cannot drop it.
 CFLAGS   ?= -O3
-CFLAGS   += -std=c11 -fPIC -fvisibility=hidden -fopenmp -Wall -Wextra -Wno-unused-parameter
-LDFLAGS  += -fopenmp
+ALL_CFLAGS  = $(CFLAGS) -std=c11 -fPIC -fvisibility=hidden -fopenmp -Wall -Wextra -Wno-unused-parameter
+ALL_LDFLAGS = $(LDFLAGS) -fopenmp
 
 # ---- CUDA detection ----------------------------------------------------------------------------
 NVCC     ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
@@ -36,8 +38,8 @@ GENCODE     := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a)
                -gencode=arch=compute_$(CUDA_PTX),code=compute_$(CUDA_PTX)
 ARCH_LIST   := $(strip $(foreach a,$(CUDA_ARCHS),sm_$(a)) compute_$(CUDA_PTX))
 NVCCFLAGS   ?= -O3
-NVCCFLAGS   += -std=c++17 --threads 0 -Xcompiler -fPIC,-fvisibility=hidden $(GENCODE) \
-               -DMSDA_CUDA_ARCHS='"$(ARCH_LIST)"'
+ALL_NVCCFLAGS = $(NVCCFLAGS) -std=c++17 --threads 0 -Xcompiler -fPIC,-fvisibility=hidden \
+               $(GENCODE) -DMSDA_CUDA_ARCHS='"$(ARCH_LIST)"'
 CUDA_OBJS   := $(patsubst kernels/%.cu,$(BUILD)/%.o,$(wildcard kernels/*.cu))
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcudart_static -lrt -ldl -lpthread
 else
@@ -55,20 +57,20 @@ $(BUILD):
 	@mkdir -p $(BUILD)
 
 # The flags a build used are kept in build/config so changing them (CUDA_ARCHS, MSDA_CUDA) rebuilds.
-CONFIG := $(CC) $(CFLAGS) | $(MSDA_CUDA) $(NVCC) $(CUDA_ARCHS) $(NVCCFLAGS)
+CONFIG := $(CC) $(ALL_CFLAGS) | $(MSDA_CUDA) $(NVCC) $(CUDA_ARCHS) $(ALL_NVCCFLAGS)
 $(BUILD)/config: FORCE | $(BUILD)
 	@echo '$(CONFIG)' | cmp -s - $@ || echo '$(CONFIG)' > $@
 FORCE:
 
 $(BUILD)/%.o: c/%.c c/msda.h c/msda_internal.h c/half.h c/cpu_kernels.inc $(BUILD)/config | $(BUILD)
-	$(CC) $(CFLAGS) -c $< -o $@
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
 
 $(BUILD)/%.o: kernels/%.cu kernels/common.cuh c/msda.h c/msda_internal.h $(BUILD)/config | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@
 
 # Only the msda_* symbols are exported; the static cudart and libstdc++ stay private.
 $(LIB): $(C_OBJS) $(CUDA_OBJS)
-	$(CXX) -shared -o $@ $^ $(LDFLAGS) $(CUDA_LIBS) -static-libstdc++ -static-libgcc \
+	$(CXX) -shared -o $@ $^ $(ALL_LDFLAGS) $(CUDA_LIBS) -static-libstdc++ -static-libgcc \
 	    -Wl,--exclude-libs,ALL -Wl,-z,defs -Wl,--as-needed
 	@echo "built $@ (CUDA: $(if $(filter 1,$(MSDA_CUDA)),$(ARCH_LIST),none))"
 

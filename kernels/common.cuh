@@ -153,16 +153,15 @@ static inline unsigned int warp_blocks(int64_t items) {
 // ---------------------------------------------------------------------------------------------
 // fast path: 16-byte channel vectors and sampling geometry staged in shared memory
 //
-// A group of G = C / V threads owns one (b, q, h) item, each thread V = 16 / sizeof(T) channels
-// (one 16-byte load per corner). A block of 256 threads holds 256 / G items. The geometry of the
+// A group of G = C / 4 threads owns one (b, q, h) item, each thread 4 channels (one 16-byte load
+// per corner in f32, 8 bytes in f16/bf16; one 16-byte f32 atomic per corner in the backward). A block of 256 threads holds 256 / G items. The geometry of the
 // items' sampling points is computed once per point (not once per thread, as in the generic
 // kernels) by the whole block, K points per item at a time, and kept in shared memory:
 //   offs: for each corner, the element offset of its channel 0 for this head, or -1 if outside;
 //   geo:  the 4 corner weights times A (forward), or {A, fx, fy, 0} (backward).
-// Conditions: T is float, __half or __nv_bfloat16; C = G*V with G a power of two <= 32;
+// Conditions: T is float, __half or __nv_bfloat16; C = 4*G with G a power of two <= 32;
 // B*S < 2^31; value (and grad_value, output) 16-byte aligned. Otherwise the generic kernels run.
 
-template <typename T> struct VecOf { static constexpr int V = 16 / sizeof(T); };
 /* f64 always takes the generic kernels (no fast-path instantiation for it). */
 template <typename T> struct HasFast { static constexpr bool value = true; };
 template <> struct HasFast<double> { static constexpr bool value = false; };
@@ -170,24 +169,6 @@ template <> struct HasFast<double> { static constexpr bool value = false; };
 __device__ __forceinline__ void load_vec(const float *p, float (&v)[4]) {
     const float4 u = __ldg(reinterpret_cast<const float4 *>(p));
     v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
-}
-__device__ __forceinline__ void load_vec(const __half *p, float (&v)[8]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const float2 f = __half22float2(h[j]);
-        v[2 * j] = f.x, v[2 * j + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load_vec(const __nv_bfloat16 *p, float (&v)[8]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const float2 f = __bfloat1622float2(h[j]);
-        v[2 * j] = f.x, v[2 * j + 1] = f.y;
-    }
 }
 
 __device__ __forceinline__ void load_vec(const __half *p, float (&v)[4]) {
@@ -206,19 +187,17 @@ __device__ __forceinline__ void load_vec(const __nv_bfloat16 *p, float (&v)[4]) 
 __device__ __forceinline__ void store_vec(float *p, const float (&v)[4]) {
     *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
-__device__ __forceinline__ void store_vec(__half *p, const float (&v)[8]) {
-    uint4 u;
+__device__ __forceinline__ void store_vec(__half *p, const float (&v)[4]) {
+    uint2 u;
     __half2 *h = reinterpret_cast<__half2 *>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
-    *reinterpret_cast<uint4 *>(p) = u;
+    h[0] = __floats2half2_rn(v[0], v[1]), h[1] = __floats2half2_rn(v[2], v[3]);
+    *reinterpret_cast<uint2 *>(p) = u;
 }
-__device__ __forceinline__ void store_vec(__nv_bfloat16 *p, const float (&v)[8]) {
-    uint4 u;
+__device__ __forceinline__ void store_vec(__nv_bfloat16 *p, const float (&v)[4]) {
+    uint2 u;
     __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-    *reinterpret_cast<uint4 *>(p) = u;
+    h[0] = __floats2bfloat162_rn(v[0], v[1]), h[1] = __floats2bfloat162_rn(v[2], v[3]);
+    *reinterpret_cast<uint2 *>(p) = u;
 }
 
 /* Points per item staged at once: 16, fewer for small groups so shared memory stays small. */
@@ -299,10 +278,9 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
         geo = make_float4(a, fx, fy, 0.f);
 }
 
-/* True when the fast kernels can serve this problem with G = C / V threads per item of V
- * channels each. */
-static inline int fast_group(const msda_problem *pr, int64_t V, const void *const *ptrs,
-                             int n_ptrs) {
+/* G = C / 4 when the fast kernels can serve this problem, else 0. */
+static inline int fast_group(const msda_problem *pr, const void *const *ptrs, int n_ptrs) {
+    const int64_t V = 4;
     if (pr->dtype == MSDA_F64 || pr->C % V != 0) return 0;
     const int64_t G = pr->C / V;
     if (G > 32 || (G & (G - 1)) != 0) return 0;

@@ -6,10 +6,10 @@
  *   grad_loc_x    = A * W_l * sum_c g[c] * ((1-fy)(v1-v0) + fy(v3-v2))[c]
  *   grad_loc_y    = A * H_l * sum_c g[c] * ((1-fx)(v2-v0) + fx(v3-v1))[c]
  *   grad_value[corner k] += A * w_k * g          (scattered; f32 buffer for half dtypes)
- * Thread map (fast path, as in msda_forward.cu): a group of G = C / V threads per (b, q, h), V
- *   channels each (16-byte loads); the block stages the geometry of K points per item in shared
- *   memory; each group gathers the 4 corners, scatters A * w_k * g into grad_value with 16-byte
- *   vector atomics (sm_90 red.global.add.v4.f32; 4 scalar atomics before sm_90), reduces its
+ * Thread map (fast path, as in msda_forward.cu): a group of G = C / 4 threads per (b, q, h), 4
+ *   channels each; the block stages the geometry of K points per item in shared memory; each
+ *   group gathers the 4 corners, scatters A * w_k * g into grad_value with 16-byte vector
+ *   atomics (sm_90 red.global.add.v4.f32; 4 scalar atomics before sm_90), reduces its
  *   three per-point sums over the G lanes with shuffles, and parks them in shared memory; the
  *   block then writes the location and weight gradients coalesced, one thread per point.
  *   Generic path (f64, other C, unaligned pointers): one warp per (b, q, h), lane j owns channels
@@ -18,9 +18,19 @@
  *   written with atomics (so its summation order, and its last bits, vary from run to run).
  * Numerics: f32 accumulation for f32/f16/bf16 (grad_value too: an f32 buffer for half types,
  *   which the caller casts), f64 for f64.
- * Tried (H100, ddetr_enc f32 / bf16, forward + backward):
- *   v1 generic warp per (b, q, h), scalar atomics ................ 4.153 / 4.145 ms
- *   v2 fast path above ................................................ see BENCHMARKS.md
+ * Tried (H100, torch 2.11, CUDA events, backward alone incl. the grad_value memset (and the
+ * f32 -> bf16 cast); "realistic" inputs unless said; f32 / bf16):
+ *   v1 generic kernel, warp per (b, q, h), scalar atomics: ddetr_enc fwd+bwd (uniform
+ *      locations) 4.153 / 4.145 ms
+ *   v2 fast path, 16-byte loads (8 channels a thread in half precision): ddetr_enc 0.876 /
+ *      0.867 ms; with scalar instead of vector atomics (an sm_75 build run on sm_90): 3.2 ms
+ *   v3 4 channels a thread for every type, 32-bit geometry as in the forward: ddetr_enc
+ *      0.875 / 0.861 ms, rtdetr_dec_b8 0.115 / 0.146 ms
+ *   v4 v3 capped at 5 blocks per multiprocessor: rtdetr_dec_b8 0.103 / 0.134 ms <- shipped
+ *   ncu (v2, ddetr_enc f32): L2 at 87% of its throughput, 71 M sectors of atomics and 60 M of
+ *   loads missing L1 (23% L1 hits, against 46% in the forward): the atomics bound it. Reaching
+ *   0.5 ms needs fewer atomics (a gather formulation of grad_value, or aggregation in shared
+ *   memory), not a faster version of this kernel.
  */
 #include "common.cuh"
 
@@ -118,14 +128,11 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-/* V = 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the 4-float
- * pieces of a group contiguous (16-byte loads of 8 half channels left the atomics of a warp
- * half-filling twice as many sectors). */
-#ifndef MSDA_BWD_MINB
-#define MSDA_BWD_MINB 1
-#endif
+/* 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the pieces of
+ * a group contiguous (8 half channels per thread left a warp's atomics half-filling twice as many
+ * sectors). 5 blocks per multiprocessor: the register cap costs no spills. */
 template <typename T, int G>
-__global__ void __launch_bounds__(256, MSDA_BWD_MINB) msda_backward_fast(msda_problem pr) {
+__global__ void __launch_bounds__(256, 5) msda_backward_fast(msda_problem pr) {
     constexpr int V = 4;
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
@@ -238,7 +245,7 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
-        switch (fast_group(pr, 4, ptrs, 3)) {
+        switch (fast_group(pr, ptrs, 3)) {
         case 1: return launch_fast<T, 1>(pr, stream);
         case 2: return launch_fast<T, 2>(pr, stream);
         case 4: return launch_fast<T, 4>(pr, stream);

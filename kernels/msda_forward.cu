@@ -2,18 +2,28 @@
  *
  * out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
  *                                                                  y = loc_y*H_l - 0.5)
- * Thread map (fast path, f32/f16/bf16 with C a power-of-two multiple of 16 bytes): a group of
- *   G = C / V threads per (b, q, h), each owning V = 16 / sizeof(T) channels, one 16-byte load
- *   per corner; 256 / G items per block; the block first stages the sampling geometry of its
- *   items (K points each) in shared memory, one thread per point, then every group gathers.
- *   Consecutive blocks hold consecutive queries, which sample nearby pixels (L1/L2 reuse).
+ * Thread map (fast path, f32/f16/bf16 with C = 4*G, G a power of two <= 32): a group of G
+ *   threads per (b, q, h), each owning 4 channels, one vector load per corner; 256 / G items
+ *   per block; the block first stages the sampling geometry of its items (K points each) in
+ *   shared memory, one thread per point (level table, 32-bit index math, corner weights
+ *   premultiplied by A), then every group gathers. Consecutive blocks hold consecutive
+ *   queries, which sample nearby pixels (L2 reuse).
  *   Generic path (f64, any other C, unaligned pointers): one warp per (b, q, h), lane j owns
  *   channels j, j+32, ...; every lane computes the geometry itself.
  * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64; corners outside the level or outside
  *   [0, S) contribute 0 (locate / pixel_index in common.cuh).
- * Tried (H100, ddetr_enc f32 / bf16 forward):
- *   v1 generic warp per (b, q, h), geometry per lane ............... 1.605 / 1.534 ms
- *   v2 fast path above ................................................ see BENCHMARKS.md
+ * Tried (H100, torch 2.11, CUDA events; "realistic" inputs unless said; f32 / bf16):
+ *   v1 generic kernel, one warp per (b, q, h), geometry per lane
+ *      ddetr_enc (uniform locations) ............................... 1.605 / 1.534 ms
+ *   v2 groups of C/V threads, V = 16 bytes of channels, geometry staged per block in shared
+ *      memory, 64-bit index math: ddetr_enc 0.303 / 0.222 ms (ncu: 62% of issue slots used,
+ *      so instruction-bound: int64 divisions and per-point level loads in the staging)
+ *   v3 v2 with a persistent grid, each block walking a contiguous run of items: ddetr_enc
+ *      0.406 / 0.279 ms (slower: resident blocks spread over all of value, L2 reuse lost)
+ *   v4 v2 with the level table in shared memory, 32-bit index math, weights premultiplied:
+ *      ddetr_enc 0.198 / 0.163 ms, dino_dec900 0.021 / 0.032 ms
+ *   v5 v4 with V = 4 channels for every type (8-byte loads in half precision, twice the
+ *      groups): ddetr_enc 0.198 / 0.161 ms, dino_dec900 0.021 / 0.017 ms <- shipped
  */
 #include "common.cuh"
 
@@ -62,7 +72,7 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
 
 template <typename T, int G>
 __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
-    constexpr int V = VecOf<T>::V;
+    constexpr int V = 4;
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
@@ -123,7 +133,7 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->output};
-        switch (fast_group(pr, VecOf<T>::V, ptrs, 2)) {
+        switch (fast_group(pr, ptrs, 2)) {
         case 1: return launch_fast<T, 1>(pr, stream);
         case 2: return launch_fast<T, 2>(pr, stream);
         case 4: return launch_fast<T, 4>(pr, stream);

@@ -13,6 +13,8 @@ says "n/a" with the reason and the run goes on.
 How: `--sets` input sets are drawn per shape and dtype (seeded, on the device; drawn in f32, or
 f64 for f64, then cast) and calls rotate among them so that no set stays cached. After warm-up
 calls, every call is timed on its own: CUDA event pairs on the GPU, time.perf_counter on the CPU.
+On the GPU a sleep kernel holds the device while the host queues all timed calls, so the events
+measure the GPU's time per call rather than the host's launch overhead (--overhead measures that).
 A time is the median over reps * sets calls.
 
 Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
@@ -171,7 +173,18 @@ def median_ms(calls, reps, device, warmup):
     for i in range(warmup):
         calls[i % len(calls)]()
     if device.type == "cuda":
+        # Hold the GPU with a sleep kernel while the host queues every timed call, so the events
+        # time the GPU's work, not the host's launch overhead (--overhead measures that).
         torch.cuda.synchronize(device)
+        host = time.perf_counter()
+        calls[0]()
+        host = time.perf_counter() - host
+        torch.cuda.synchronize(device)
+        if hasattr(torch.cuda, "_sleep"):
+            queue_s = min(2.0, 1.5 * host * reps * len(calls) + 1e-3)
+            clock_hz = 1e6 * (getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+                              or 2_000_000)  # kHz
+            torch.cuda._sleep(int(queue_s * clock_hz))
         events = []
         for _ in range(reps):
             for call in calls:

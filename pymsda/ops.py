@@ -80,6 +80,26 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
     return levels
 
 
+def _check_pairs(spatial_shapes):
+    """A list of (H, W) pairs as a tuple of positive int pairs, or an exception naming it."""
+    try:
+        pairs = tuple((int(h), int(w)) for h, w in spatial_shapes)
+        ok = all(isinstance(v, int) or float(v).is_integer()
+                 for pair in spatial_shapes for v in pair)
+    except (TypeError, ValueError):
+        raise TypeError(
+            "spatial_shapes must be an (L, 2) integer tensor or a list of (H, W) integer "
+            f"pairs, got {spatial_shapes!r}") from None
+    if not ok:
+        raise TypeError(f"spatial_shapes must hold integers, got {spatial_shapes!r}")
+    if len(pairs) < 1:
+        raise ValueError("spatial_shapes must name at least one level, got an empty list")
+    return pairs
+
+
+_pairs_cache = {}  # spatial_shapes given as a list (as a hashable tuple) -> its checked pairs
+
+
 def _host_pairs(spatial_shapes, device):
     """spatial_shapes as a tuple of (H, W) int pairs, checked; None when it lives on the GPU
     that runs the op (reading it there would synchronise)."""
@@ -95,17 +115,14 @@ def _host_pairs(spatial_shapes, device):
         pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
     else:
         try:
-            pairs = tuple((int(h), int(w)) for h, w in spatial_shapes)
-            ok = all(isinstance(v, int) or float(v).is_integer()
-                     for pair in spatial_shapes for v in pair)
-        except (TypeError, ValueError):
-            raise TypeError(
-                "spatial_shapes must be an (L, 2) integer tensor or a list of (H, W) integer "
-                f"pairs, got {spatial_shapes!r}") from None
-        if not ok:
-            raise TypeError(f"spatial_shapes must hold integers, got {spatial_shapes!r}")
-        if len(pairs) < 1:
-            raise ValueError("spatial_shapes must name at least one level, got an empty list")
+            key = tuple(map(tuple, spatial_shapes))
+            pairs = _pairs_cache.get(key)
+        except TypeError:  # not a sequence of sequences, or unhashable: let the check say why
+            key = pairs = None
+        if pairs is None:
+            pairs = _check_pairs(spatial_shapes)
+            if key is not None and len(_pairs_cache) < 256:
+                _pairs_cache[key] = pairs
     for level, (h, w) in enumerate(pairs):
         if h < 1 or w < 1:
             raise ValueError(
@@ -148,13 +165,17 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device):
 
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
-    shapes = spatial_shapes.to(device).contiguous()
+    shapes = spatial_shapes
+    if shapes.device != device or not shapes.is_contiguous():
+        shapes = shapes.to(device).contiguous()
     if level_start_index is None:
         sizes = shapes[:, 0] * shapes[:, 1]
         starts = torch.cumsum(sizes, 0) - sizes
     else:
-        starts = level_start_index.to(device)
-    return _Levels(shapes, starts.to(shapes.dtype).contiguous(), None)
+        starts = level_start_index
+    if starts.device != device or starts.dtype != shapes.dtype or not starts.is_contiguous():
+        starts = starts.to(device=device, dtype=shapes.dtype).contiguous()
+    return _Levels(shapes, starts, None)
 
 
 def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -310,7 +331,9 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     if not _library_serves(value.device):
         from .reference import ms_deform_attn_pytorch
         return ms_deform_attn_pytorch(value, levels.shapes, loc, attn)
-    return _MSDA.apply(value, loc, attn, levels, sizes)
+    if torch.is_grad_enabled() and (value.requires_grad or loc.requires_grad or attn.requires_grad):
+        return _MSDA.apply(value, loc, attn, levels, sizes)
+    return _forward(value, levels, loc, attn, sizes)  # no graph to record: skip autograd
 
 
 class MSDeformAttnFunction:
