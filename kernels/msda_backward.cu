@@ -130,9 +130,14 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 
 /* 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the pieces of
  * a group contiguous (8 half channels per thread left a warp's atomics half-filling twice as many
- * sectors). 5 blocks per multiprocessor: the register cap costs no spills. */
+ * sectors). 5 blocks per multiprocessor: the register cap costs no spills (sm_75 holds 4). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define MSDA_BWD_MIN_BLOCKS 4
+#else
+#define MSDA_BWD_MIN_BLOCKS 5
+#endif
 template <typename T, int G>
-__global__ void __launch_bounds__(256, 5) msda_backward_fast(msda_problem pr) {
+__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr int V = 4;
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
