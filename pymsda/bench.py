@@ -182,8 +182,8 @@ def median_ms(calls, reps, device, warmup):
         torch.cuda.synchronize(device)
         if hasattr(torch.cuda, "_sleep"):
             queue_s = min(2.0, 1.5 * host * reps * len(calls) + 1e-3)
-            clock_hz = 1e6 * (getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
-                              or 2_000_000)  # kHz
+            clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+            clock_hz = 1e3 * clock_khz if clock_khz else 2e9
             torch.cuda._sleep(int(queue_s * clock_hz))
         events = []
         for _ in range(reps):
