@@ -59,6 +59,12 @@ __device__ __forceinline__ bool locate(Acc loc_x, Acc loc_y, int64_t H_l, int64_
     y0 = (int64_t)y0f;
     fx = (x - x0f) + ex;
     fy = (y - y0f) + ey;
+    /* x rounded onto or across an integer that the exact x = x + ex does not reach: take the
+     * cell of the exact x, or the location gradient would use the neighbouring cell's slope. */
+    if (fx < (Acc)0) x0 -= 1, fx += (Acc)1;
+    else if (fx >= (Acc)1) x0 += 1, fx -= (Acc)1;
+    if (fy < (Acc)0) y0 -= 1, fy += (Acc)1;
+    else if (fy >= (Acc)1) y0 += 1, fy -= (Acc)1;
     return true;
 }
 
@@ -237,6 +243,10 @@ __device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int
     y0 = (int)y0f;
     fx = (x - x0f) + ex;
     fy = (y - y0f) + ey;
+    if (fx < 0.f) x0 -= 1, fx += 1.f; /* the cell of the exact x: see locate() */
+    else if (fx >= 1.f) x0 += 1, fx -= 1.f;
+    if (fy < 0.f) y0 -= 1, fy += 1.f;
+    else if (fy >= 1.f) y0 += 1, fy -= 1.f;
     return true;
 }
 

@@ -88,3 +88,38 @@ def test_fast_and_generic_paths_agree(generator):
     generic = run_msda(inputs).view(2, 29, 3, 33)[..., :32]
     fast = run_msda(dict(inputs, value=inputs["value"][..., :32].contiguous())).view(2, 29, 3, 32)
     assert rel_l2(fast, generic) < 1e-6
+
+
+def _locations_rounding_onto_an_integer(width, count):
+    """f32 locations whose f32 product loc * width - 0.5 lands exactly on an integer n although
+    the exact value lies just below n: the cell is then easy to get wrong."""
+    import numpy as np
+    found = []
+    for n in range(1, width - 1):
+        for delta in (1e-7, 2e-7, 4e-7, 8e-7):
+            loc = np.float32((n + 0.5 - delta) / width)
+            rounded = np.float32(loc * np.float32(width)) - np.float32(0.5)
+            exact = float(loc) * width - 0.5
+            if rounded == n and exact < n:
+                found.append(float(loc))
+                break
+        if len(found) == count:
+            break
+    return found
+
+
+@pytest.mark.parametrize("channels", [32, 3], ids=["fast", "generic"])
+def test_location_gradient_takes_the_cell_of_the_exact_coordinate(generator, channels):
+    width = 150
+    xs = _locations_rounding_onto_an_integer(width, 24)
+    assert len(xs) >= 8
+    inputs = make_inputs(generator, batch=1, queries=len(xs), heads=1, channels=channels,
+                         shapes=[(7, width)], points=1, dtype=torch.float32, device="cuda",
+                         kink_free=True)
+    loc = inputs["sampling_locations"].clone()
+    loc[0, :, 0, 0, 0, 0] = torch.tensor(xs, device="cuda")
+    inputs = dict(inputs, sampling_locations=loc)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    _, grads = grads_of(inputs, grad_output)
+    expected = oracle_backward(inputs, grad_output)[1]
+    assert rel_l2(grads[1][..., 0], expected[..., 0]) < 1e-5
