@@ -27,6 +27,12 @@
  *   v3 4 channels a thread for every type, 32-bit geometry as in the forward: ddetr_enc
  *      0.875 / 0.861 ms, rtdetr_dec_b8 0.115 / 0.146 ms
  *   v4 v3 capped at 5 blocks per multiprocessor: rtdetr_dec_b8 0.103 / 0.134 ms <- shipped
+ *      (ddetr_enc 0.875 / 0.867 ms, dino_dec900 0.081 / 0.098 ms)
+ *   v5 v4 split in two launches, one for the point gradients (loads only) and one that only
+ *      scatters into grad_value (atomics only): ddetr_enc 1.170 / 1.295 ms. The scatter pass
+ *      alone takes ~0.9 ms: the 2.3 GB of f32 vector atomics bound the backward.
+ *   v6 v4 with 8 staged points per item instead of 16 (half the shared memory, more L1):
+ *      ddetr_enc 0.885 / 0.916 ms, no gain.
  *   ncu (v2, ddetr_enc f32): L2 at 87% of its throughput, 71 M sectors of atomics and 60 M of
  *   loads missing L1 (23% L1 hits, against 46% in the forward): the atomics bound it. Reaching
  *   0.5 ms needs fewer atomics (a gather formulation of grad_value, or aggregation in shared
@@ -188,7 +194,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     if (o[c] >= 0) {
-                        load_vec(value + o[c], v[c]);
+                        if (point_grads) load_vec(value + o[c], v[c]);
                         if (grad_value) {
                             float contrib[V];
 #pragma unroll
