@@ -423,6 +423,44 @@ def format_table(result):
     return "\n".join(text)
 
 
+def format_markdown(result):
+    """The result as BENCHMARKS.md takes it: the run's metadata, then one row per shape and
+    dtype with the three passes side by side and the forward errors."""
+    meta = result["metadata"]
+    lines = [f"- {key}: {meta[key]}" for key in ("date", "device", "driver", "torch", "cuda",
+                                                  "commit", "command") if key in meta]
+    by_key = {}
+    for row in result["rows"]:
+        by_key.setdefault((row["shape"], row["dtype"]), {})[row["pass"]] = row
+    passes = [p for p in PASSES if any(p in r for r in by_key.values())]
+    titles = {"fwd": "forward", "bwd": "backward", "fwdbwd": "fwd+bwd"}
+    head = ["shape", "dtype"]
+    for p in passes:
+        head += [f"{titles[p]} ms", "reference ms", "speed-up"]
+    head += ["fwd error", "reference error (same dtype)"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (shape, dtype), rows in by_key.items():
+        cells = [shape, dtype]
+        for p in passes:
+            r = rows.get(p)
+            if r is None:
+                cells += ["", "", ""]
+                continue
+            ref = _number(r["reference_ms"], ".3f") if r["reference_ms"] is not None else "n/a"
+            cells += [f"{r['pymsda_ms']:.3f}", ref,
+                      _number(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
+        errors = next(iter(rows.values()))["errors"]
+        cells += [_number(errors[ERROR_KEYS[0]]), _number(errors[ERROR_KEYS[1]])]
+        lines.append("| " + " | ".join(cells) + " |")
+    overhead = result.get("overhead")
+    if overhead:
+        lines += ["", f"Host time per eager forward call (tiny shape, {overhead['calls']} calls):", ""]
+        for key, us in overhead.items():
+            if key.endswith("_us"):
+                lines.append(f"- {key[:-3].replace('_', ' ', 1)}: {us:.1f} us")
+    return "\n".join(lines) + "\n"
+
+
 def plot(result, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -489,6 +527,7 @@ def main(argv=None):
     parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")
     parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speed-ups")
+    parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")
     args = parser.parse_args(argv)
 
     device = args.device or default_device()
@@ -524,4 +563,8 @@ def main(argv=None):
     if args.plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(result))
+        print(f"wrote {args.markdown}")
     return 0

@@ -240,7 +240,7 @@ def _check(status):
 
 def _forward(value, levels, loc, attn, sizes):
     B, S, H, C, L, Q, P = sizes
-    out = torch.empty((B, Q, H * C), dtype=value.dtype, device=value.device)
+    out = value.new_empty((B, Q, H * C))
     device, stream, threads = _device_args(value)
     _check(lib.msda_forward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
