@@ -15,7 +15,12 @@ CXX      ?= c++
 # CFLAGS, NVCCFLAGS and LDFLAGS are the user's (optimisation, extra -D); what the build needs is
 # added in ALL_* so that `make CFLAGS=...` cannot drop it.
 CFLAGS   ?= -O3
-ALL_CFLAGS  = $(CFLAGS) -std=c11 -fPIC -fvisibility=hidden -fopenmp -Wall -Wextra -Wno-unused-parameter
+# CPU kernels: a*b + c may fuse into one FMA (ISO C mode would forbid it); no code reads the FP
+# exception flags, so comparisons may be if-converted (-fno-trapping-math: the geometry loops
+# vectorise); GCC's unroll-and-jam is off because it pairs the corners of the gather loop and then
+# leaves its channel loop scalar (2x slower).
+CPU_OPT_FLAGS := -ffp-contract=fast -fno-trapping-math $(shell $(CC) -fno-loop-unroll-and-jam -Werror -x c -c /dev/null -o /dev/null 2>/dev/null && echo -fno-loop-unroll-and-jam)
+ALL_CFLAGS  = $(CFLAGS) -std=c11 $(CPU_OPT_FLAGS) -fPIC -fvisibility=hidden -fopenmp -Wall -Wextra -Wno-unused-parameter
 ALL_LDFLAGS = $(LDFLAGS) -fopenmp
 
 # ---- CUDA detection ----------------------------------------------------------------------------
@@ -94,3 +99,47 @@ test: $(LIB) test-c
 
 clean:
 	rm -rf $(BUILD)
+
+# ---- sanitizers and fuzzing (not part of `make test`) ------------------------------------------
+# make sanitize: the library built CPU-only with AddressSanitizer and UndefinedBehaviorSanitizer
+#   into build-asan/, then the C-level test and the CPU pytest suite run against it. Python
+#   itself is not instrumented, so libasan is preloaded into it (PYMSDA_LIBRARY points pymsda at
+#   the instrumented library) and leak detection is off there: CPython and torch keep memory
+#   until exit by design. The C test runs with leak detection on. Any report fails the target.
+# make fuzz: builds tests/fuzz/fuzz_msda.c (libFuzzer, clang, ASan + UBSan, the C sources
+#   compiled in without OpenMP) into build-fuzz/ and fuzzes msda_forward/msda_backward on the
+#   CPU for FUZZ_SECONDS, starting from the seeds in tests/fuzz/corpus (new inputs go to
+#   build-fuzz/corpus; a crash is written to build-fuzz/ and fails the target).
+ASAN_BUILD   ?= build-asan
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_SECONDS ?= 600
+CLANG        ?= clang
+SAN_FLAGS    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+SAN_ENV      := UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# libstdc++ is preloaded too so that ASan's __cxa_throw interceptor finds it (C++ extensions
+# such as matplotlib's throw); --capture=sys lets a sanitizer report reach the terminal.
+SAN_PY_ENV    = ASAN_OPTIONS=detect_leaks=0 \
+               LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libstdc++.so)" \
+               PYMSDA_LIBRARY="$(abspath $(ASAN_BUILD))/libpymsda.so"
+.PHONY: sanitize fuzz
+
+sanitize:
+	$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) MSDA_CUDA=0 CFLAGS="-O1 -g $(SAN_FLAGS)" \
+	    LDFLAGS="$(SAN_FLAGS)" all
+	$(CC) -std=c11 -O1 -g $(SAN_FLAGS) -Wall -Ic tests/c/test_c_api.c -o $(ASAN_BUILD)/test_c_api \
+	    -L$(ASAN_BUILD) -lpymsda -Wl,-rpath,'$$ORIGIN' -lm -lpthread
+	$(SAN_ENV) ASAN_OPTIONS=detect_leaks=1 $(ASAN_BUILD)/test_c_api
+	$(SAN_ENV) $(SAN_PY_ENV) $(PYTHON) -c "import pymsda; print('pytest runs on', pymsda.library_path())"
+	$(SAN_ENV) $(SAN_PY_ENV) $(PYTHON) -m pytest tests -q -p no:cacheprovider --capture=sys
+	@echo "sanitize: C test and CPU pytest suite clean under ASan+UBSan ($(ASAN_BUILD)/libpymsda.so)"
+
+# Every C source of the CPU-only library (c/*.c, cuda_stub.c included) goes into the binary.
+$(FUZZ_BUILD)/fuzz_msda: tests/fuzz/fuzz_msda.c $(wildcard c/*.c c/*.h c/*.inc)
+	@mkdir -p $(FUZZ_BUILD)
+	$(CLANG) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+	    -Wall -Wno-unknown-pragmas -Wno-unused-function -Ic $(filter %.c,$^) -o $@ -lm
+
+fuzz: $(FUZZ_BUILD)/fuzz_msda
+	@mkdir -p $(FUZZ_BUILD)/corpus
+	$(SAN_ENV) $(FUZZ_BUILD)/fuzz_msda -max_total_time=$(FUZZ_SECONDS) -max_len=2048 -timeout=10 \
+	    -print_final_stats=1 -artifact_prefix=$(FUZZ_BUILD)/ $(FUZZ_BUILD)/corpus tests/fuzz/corpus

@@ -10,15 +10,19 @@
 static inline float msda_bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t msda_float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
+/* Branch-free, so a loop converting a row vectorises: the exponent and mantissa shifted into
+ * place and rebiased are a normal number's bits; all-ones exponents (inf, nan) get the float's
+ * all-ones exponent; subnormals are the mantissa times 2^-24, formed exactly as
+ * (2^-14 + man * 2^-24) - 2^-14. */
 static inline float msda_half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return msda_bits_to_float(sign | 0x7f800000u | (man << 13)); /* inf/nan */
-    if (exp == 0) {                                      /* zero or subnormal: man * 2^-24 */
-        float f = (float)man * 5.9604644775390625e-08f;
-        return sign ? -f : f;
-    }
-    return msda_bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = (uint32_t)(h & 0x7fffu) << 13; /* exponent and mantissa, float places */
+    const uint32_t exp = em & 0x0f800000u;
+    const uint32_t normal = em + 0x38000000u;           /* rebias: (127 - 15) << 23 */
+    const uint32_t special = em | 0x7f800000u;          /* inf / nan, payload kept */
+    const float sub = msda_bits_to_float(em + 0x38800000u) - 6.103515625e-05f; /* - 2^-14 */
+    const uint32_t bits = exp == 0x0f800000u ? special : exp == 0 ? msda_float_to_bits(sub) : normal;
+    return msda_bits_to_float(bits | sign);
 }
 
 static inline uint16_t msda_float_to_half(float f) {

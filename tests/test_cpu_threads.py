@@ -1,0 +1,240 @@
+"""tests/test_cpu_threads.py: the CPU kernels under every threading situation they meet in PyTorch.
+
+The op runs on torch.get_num_threads() OpenMP threads (ops._device_args passes it); the library
+links libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded, so torch
+and pymsda share one OpenMP runtime and thread pool. Checked here:
+- results are bitwise identical for any thread count, in the fused backward (one task per
+  (b, h)) and in the split backward (fewer (b, h) slices than threads can share), and match the
+  f64 oracle;
+- calls from several Python threads at once, under torch.set_num_threads(1) and (2);
+- DataLoader workers (num_workers=2, forked after the parent used both runtimes): torch sets one
+  thread there and the op then starts no thread at all (a forked child must not touch the
+  parent's OpenMP pool);
+- one OpenMP runtime in the process;
+- an output buffer large enough for the huge-page advice path (grad_value > 8 MB).
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+import torch
+
+import pymsda
+from pymsda import _lib, ops
+from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
+                       random_grad_output, rel_l2)
+
+needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="reads /proc/self (Linux)")
+
+
+class num_threads:
+    """torch.set_num_threads(n) inside a with block."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+
+
+# Big enough that the kernels really go parallel (they stay on one thread below 2048 points).
+FUSED = dict(batch=2, queries=70, heads=4, channels=40, shapes=[(9, 11), (5, 6)], points=4)
+SPLIT = dict(batch=1, queries=300, heads=1, channels=40, shapes=[(9, 11), (5, 6)], points=4)
+
+
+def forward_and_grads(inputs, grad_output):
+    leaves = {k: inputs[k].detach().clone().requires_grad_() for k in GRAD_NAMES}
+    out = pymsda.ms_deform_attn(leaves["value"], inputs["spatial_shapes"],
+                                inputs["level_start_index"], leaves["sampling_locations"],
+                                leaves["attention_weights"])
+    out.backward(grad_output)
+    return [out.detach()] + [leaves[k].grad for k in GRAD_NAMES]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("case", [FUSED, SPLIT], ids=["fused", "split"])
+def test_results_are_identical_for_any_thread_count(generator, dtype, case):
+    inputs = make_inputs(generator, **case, dtype=dtype)
+    B, Q, H = inputs["attention_weights"].shape[:3]
+    grad_output = random_grad_output(generator, torch.empty(B, Q, H * case["channels"], dtype=dtype))
+    results = {}
+    for threads in (1, 2, 3, 7):
+        with num_threads(threads):
+            results[threads] = forward_and_grads(inputs, grad_output)
+    for threads in (2, 3, 7):
+        for name, a, b in zip(("output",) + GRAD_NAMES, results[1], results[threads]):
+            assert torch.equal(a, b), f"{name} with {threads} threads differs from 1 thread"
+
+
+@pytest.mark.parametrize("case", [FUSED, SPLIT], ids=["fused", "split"])
+def test_threaded_results_match_f64_oracle(generator, case):
+    inputs = make_inputs(generator, **case, dtype=torch.float64)
+    B, Q, H = inputs["attention_weights"].shape[:3]
+    grad_output = random_grad_output(generator,
+                                     torch.empty(B, Q, H * case["channels"], dtype=torch.float64))
+    with num_threads(2):
+        out, *grads = forward_and_grads(inputs, grad_output)
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-12
+    for name, grad, expected in zip(GRAD_NAMES, grads, oracle_backward(inputs, grad_output)):
+        assert rel_l2(grad, expected) < 1e-11, name
+
+
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_concurrent_calls_from_python_threads(generator, torch_threads):
+    inputs = make_inputs(generator, **FUSED, dtype=torch.float32)
+    B, Q, H = inputs["attention_weights"].shape[:3]
+    grad_output = random_grad_output(generator, torch.empty(B, Q, H * FUSED["channels"]))
+    expected = forward_and_grads(inputs, grad_output)
+    failures = []
+
+    def worker():
+        try:
+            torch.set_num_threads(torch_threads)  # per process; every thread sets the same
+            for _ in range(5):
+                got = forward_and_grads(inputs, grad_output)
+                if not all(torch.equal(a, b) for a, b in zip(expected, got)):
+                    failures.append("result differs")
+        except Exception as error:  # reported below, in the test's thread
+            failures.append(repr(error))
+
+    with num_threads(torch_threads):
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a call did not return"
+    assert not failures, failures
+
+
+def _thread_names():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(names)
+
+
+class _OpDataset(torch.utils.data.Dataset):
+    """Each item runs the op's forward and backward inside the worker, and reports the worker's
+    torch thread count and the threads that exist before and after the C kernels run there (the
+    kernels alone, called the way pymsda.ops calls them, so no torch machinery starts one)."""
+
+    def __init__(self, inputs, grad_output):
+        self.inputs, self.grad_output = inputs, grad_output
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        # The kernels through the C ABI, not autograd: a forked worker cannot run autograd's
+        # backward once the parent has used its device threads (as on a machine with a GPU).
+        before = _thread_names()
+        results = _run_kernels(self.inputs, self.grad_output)
+        return torch.get_num_threads(), (before, _thread_names()), results
+
+
+def _run_kernels(inputs, grad_output):
+    """msda_forward and msda_backward through the C ABI, with the thread count pymsda.ops
+    chooses (ops._device_args), and nothing else around them."""
+    value, loc, attn = (inputs[k].contiguous() for k in GRAD_NAMES)
+    B, S, H, C = value.shape
+    _, Q, _, L, P, _ = loc.shape
+    shapes = inputs["spatial_shapes"].to(torch.int64).contiguous()
+    starts = inputs["level_start_index"].to(torch.int64).contiguous()
+    device, stream, threads = ops._device_args(value)
+    code = {torch.float32: _lib.DTYPE_F32, torch.float64: _lib.DTYPE_F64}[value.dtype]
+    out = torch.empty(B, Q, H * C, dtype=value.dtype)
+    grads = [torch.empty_like(value), torch.empty_like(loc), torch.empty_like(attn)]
+    common = (B, S, H, C, L, Q, P, code, _lib.INDEX_I64, device, threads, value.data_ptr(),
+              shapes.data_ptr(), starts.data_ptr(), loc.data_ptr(), attn.data_ptr())
+    assert _lib.lib.msda_forward(*common, out.data_ptr(), stream) == _lib.OK
+    assert _lib.lib.msda_backward(*common, grad_output.contiguous().data_ptr(),
+                                  *(g.data_ptr() for g in grads), stream) == _lib.OK
+    return [out] + grads
+
+
+@needs_linux
+def test_dataloader_workers_run_single_threaded_and_match(generator):
+    inputs = make_inputs(generator, **FUSED, dtype=torch.float32)
+    B, Q, H = inputs["attention_weights"].shape[:3]
+    grad_output = random_grad_output(generator, torch.empty(B, Q, H * FUSED["channels"]))
+    with num_threads(2):
+        expected = forward_and_grads(inputs, grad_output)  # the parent's pool is warm now
+        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()  # and torch's own ops ran
+        loader = torch.utils.data.DataLoader(_OpDataset(inputs, grad_output), batch_size=None,
+                                             num_workers=2, timeout=120)
+        items = list(loader)
+    assert len(items) == 4
+    for worker_threads, (before, after), results in items:
+        assert worker_threads == 1
+        assert len(after) <= len(before), f"threads before the kernels {before}, after {after}"
+        for a, b in zip(expected, results):
+            assert torch.equal(a, b)
+
+
+@needs_linux
+def test_one_thread_starts_no_thread(generator):
+    # A fresh process (no OpenMP pool yet) at torch.set_num_threads(1): the kernels must not
+    # start one, which is also what keeps them fork-safe.
+    inputs = make_inputs(generator, **FUSED, dtype=torch.float32)
+    B, Q, H = inputs["attention_weights"].shape[:3]
+    grad_output = random_grad_output(generator, torch.empty(B, Q, H * FUSED["channels"]))
+    code = (
+        "import os, sys, torch\n"
+        f"sys.path[:0] = {sys.path!r}\n"
+        "torch.set_num_threads(1)\n"
+        "from test_cpu_threads import _run_kernels\n"
+        "inputs, grad_output = torch.load(sys.argv[1])\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "_run_kernels(inputs, grad_output)\n"
+        "print(len(os.listdir('/proc/self/task')) - before)\n")
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+        torch.save((inputs, grad_output), f.name)
+        done = subprocess.run([sys.executable, "-c", code, f.name], capture_output=True,
+                              text=True, timeout=300, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0", f"new threads: {done.stdout} {done.stderr}"
+
+
+@needs_linux
+def test_torch_and_pymsda_share_one_openmp_runtime():
+    mapped = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            name = os.path.basename(path)
+            if name.startswith(("libgomp", "libiomp", "libomp")):
+                mapped.add(os.path.realpath(path))
+    gomp = {p for p in mapped if os.path.basename(p).startswith("libgomp")}
+    if not gomp:
+        pytest.skip("no libgomp mapped (a build without OpenMP)")
+    # pymsda imports torch first, so its libgomp.so.1 dependency resolves to torch's copy.
+    assert len(gomp) == 1, f"two GNU OpenMP runtimes loaded: {sorted(gomp)}"
+
+
+def test_large_grad_value_is_exact(generator):
+    # grad_value of 1 x 70000 x 1 x 40 f32 (11 MB): the huge-page advice path, with most rows
+    # never sampled (they must still come back zero, not as the buffer's old contents).
+    shapes = [(250, 280)]
+    inputs = make_inputs(generator, batch=1, queries=64, heads=1, channels=40, shapes=shapes,
+                         points=4, dtype=torch.float32, kink_free=True)
+    grad_output = random_grad_output(generator, torch.empty(1, 64, 40))
+    for _ in range(2):  # the second time into memory the allocator may hand back dirty
+        with num_threads(2):
+            _, grad_value, grad_loc, grad_attn = forward_and_grads(inputs, grad_output)
+    expected = oracle_backward(inputs, grad_output)
+    for name, grad, e in zip(GRAD_NAMES, (grad_value, grad_loc, grad_attn), expected):
+        assert rel_l2(grad, e) < 1e-5, name
