@@ -7,6 +7,9 @@
 
 #include "msda_internal.h"
 
+/* More CPU threads than this is a caller's mistake, not a request OpenMP can be trusted with. */
+#define MSDA_MAX_THREADS 1024
+
 // ---------------------------------------------------------------------------------------------
 // errors
 
@@ -100,6 +103,44 @@ static int check_problem(const char *fn, const msda_problem *pr) {
                               "%s: device %d requested but this build of libpymsda has no CUDA "
                               "kernels (rebuild with nvcc on the PATH)",
                               fn, pr->device);
+    /* The shape tables hold 3*L integers and the CPU kernels copy them into 3*L int64s: with
+     * Q = 0 nothing above bounds L. */
+    if (!mul_ok(pr->L, 3 * 8, &t))
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: L = %lld levels overflow the level tables", fn,
+                              (long long)pr->L);
+    /* OpenMP creates the threads it is asked for and aborts the process when it cannot. */
+    if (pr->device < 0 && pr->num_threads > MSDA_MAX_THREADS)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: num_threads = %d exceeds %d (pass <= 0 for the OpenMP "
+                              "default)",
+                              fn, pr->num_threads, MSDA_MAX_THREADS);
+    return MSDA_OK;
+}
+
+/* Every pointer must be aligned to its element type: the kernels load whole elements, and a
+ * misaligned one is undefined behaviour in C and a sticky fault on a GPU. */
+static int check_alignment(const char *fn, const msda_problem *pr) {
+    const int64_t elem = msda_dtype_size(pr->dtype);
+    const int64_t index = pr->index_dtype == MSDA_I64 ? 8 : 4;
+    const int64_t acc = pr->dtype == MSDA_F64 ? 8 : 4; /* grad_value: f32 for half types */
+    const struct { const char *name; const void *p; int64_t align; } ptrs[] = {
+        {"value", pr->value, elem},
+        {"spatial_shapes", pr->spatial_shapes, index},
+        {"level_start_index", pr->level_start_index, index},
+        {"sampling_locations", pr->sampling_locations, elem},
+        {"attention_weights", pr->attention_weights, elem},
+        {"grad_output", pr->grad_output, elem},
+        {"output", pr->output, elem},
+        {"grad_value", pr->grad_value, acc},
+        {"grad_sampling_locations", pr->grad_sampling_locations, elem},
+        {"grad_attention_weights", pr->grad_attention_weights, elem},
+    };
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
+        if ((uintptr_t)ptrs[i].p % (uintptr_t)ptrs[i].align != 0)
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                                  "%s: %s (%p) is not aligned to its %lld-byte elements", fn,
+                                  ptrs[i].name, ptrs[i].p, (long long)ptrs[i].align);
     return MSDA_OK;
 }
 
@@ -123,6 +164,7 @@ int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t 
                        value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights, NULL, output, NULL, NULL, NULL, stream};
     int st = check_problem(fn, &pr);
+    if (st == MSDA_OK) st = check_alignment(fn, &pr);
     if (st != MSDA_OK) return st;
     if (B == 0 || Q == 0) return MSDA_OK; /* nothing to write */
     REQUIRE_POINTER(fn, output);
@@ -147,6 +189,7 @@ int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t
                        attention_weights, grad_output, NULL, grad_value,
                        grad_sampling_locations, grad_attention_weights, stream};
     int st = check_problem(fn, &pr);
+    if (st == MSDA_OK) st = check_alignment(fn, &pr);
     if (st != MSDA_OK) return st;
     if (!grad_value && !grad_sampling_locations && !grad_attention_weights) return MSDA_OK;
     if (B == 0 || (Q == 0 && S == 0)) return MSDA_OK; /* every gradient is empty */

@@ -34,7 +34,9 @@
  * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
  * point returns an msda_status; on failure msda_last_error() holds this thread's error text.
  * Backward writes every gradient it is given in full (grad_value is zeroed first, on the stream);
- * any gradient pointer may be NULL when it is not needed.
+ * any gradient pointer may be NULL when it is not needed. Refused with MSDA_ERR_INVALID_ARGUMENT:
+ * a size below its minimum (B, S, Q >= 0; H, C, L, P >= 1), byte counts past INT64_MAX, a pointer
+ * not aligned to its element type, num_threads > 1024 on the CPU.
  */
 #ifndef MSDA_H
 #define MSDA_H

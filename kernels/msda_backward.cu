@@ -105,9 +105,9 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
                 g_fy = warp_sum(g_fy);
                 if (lane == 0) {
                     if (grad_attn) grad_attn[i] = from_acc<T>(g_attn);
-                    if (grad_loc) {
-                        grad_loc[2 * i] = from_acc<T>(a * g_fx * (Acc)W_l);
-                        grad_loc[2 * i + 1] = from_acc<T>(a * g_fy * (Acc)H_l);
+                    if (grad_loc) { /* a point outside keeps zero gradients whatever its A */
+                        grad_loc[2 * i] = from_acc<T>(hit ? a * g_fx * (Acc)W_l : (Acc)0);
+                        grad_loc[2 * i + 1] = from_acc<T>(hit ? a * g_fy * (Acc)H_l : (Acc)0);
                     }
                 }
             }
@@ -217,7 +217,10 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 s_a = group_sum<G>(s_a);
                 s_x = group_sum<G>(s_x);
                 s_y = group_sum<G>(s_y);
-                if (g == 0) s_sums[local * St::STRIDE + k] = make_float4(s_a, s_x, s_y, 0.f);
+                /* .w marks a point with a corner inside: only those scale by A (a non-finite A
+                 * of a point outside must leave its zero gradients zero, as on the CPU). */
+                const bool hit = o[0] >= 0 || o[1] >= 0 || o[2] >= 0 || o[3] >= 0;
+                if (g == 0) s_sums[local * St::STRIDE + k] = make_float4(s_a, s_x, s_y, hit ? 1.f : 0.f);
             }
             if (point_grads) {
                 __syncthreads();
@@ -229,8 +232,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     const float4 sums = s_sums[il * St::STRIDE + k];
                     const float a = s_geo[il * St::STRIDE + k].x;
                     if (grad_attn) grad_attn[i] = from_acc<T>(sums.x);
-                    if (grad_loc) {
-                        /* the table's sides, not s_lvl's: a rejected level still scales 0 */
+                    if (grad_loc && sums.w == 0.f) {
+                        grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
+                    } else if (grad_loc) {
                         const int l = pidx / (int)pr.P;
                         const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
                         const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);

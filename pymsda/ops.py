@@ -1,4 +1,6 @@
 """The MSDA operator: argument checks, the calls into the C library, and autograd."""
+import os
+
 import torch
 
 from . import _lib
@@ -41,6 +43,62 @@ def _check_float_tensor(name, t, ndim):
             f"{name} must be float32, float64, float16 or bfloat16, got {_describe(t)}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got {_describe(t)}")
+
+
+def _check_index_device(name, t, device):
+    """An index tensor must be readable where the op runs: on the CPU or on value's device
+    (another GPU is copied from). A meta one holds no numbers to read."""
+    if t.device.type == "meta" and device.type != "meta":
+        raise ValueError(f"{name} is on meta but value is on {device}: index tensors must be "
+                         f"on the CPU or on value's device, got {_describe(t)}")
+
+
+# The C library counts elements and bytes in int64 (msda_forward's size check): a tensor whose
+# byte count at 8 bytes an element passes 2^63 cannot be indexed.
+_MAX_ELEMENTS = (2 ** 63 - 1) // 8
+
+
+def _check_sizes(B, S, H, C, L, Q, P):
+    """Refuses sizes the kernels cannot index before anything tries to copy or allocate them
+    (an expanded view of such a size costs no memory, its contiguous copy would)."""
+    sizes = f"B={B} S={S} H={H} C={C} L={L} Q={Q} P={P}"
+    for what, count in (("value (B, S, H, C)", B * S * H * C),
+                        ("sampling_locations (B, Q, H, L, P, 2)", B * Q * H * L * P * 2),
+                        ("the output (B, Q, H*C) of value and sampling_locations",
+                         B * Q * H * C)):
+        if count > _MAX_ELEMENTS:
+            raise ValueError(f"{what} has {count} elements, more than the {_MAX_ELEMENTS} "
+                             f"pymsda can index (64-bit byte offsets): {sizes}")
+
+
+def _aligned_contiguous(t):
+    """t contiguous and aligned to its element size (the C library refuses a misaligned
+    pointer; torch.frombuffer can make one)."""
+    t = t.contiguous()
+    if t.data_ptr() % t.element_size():
+        t = t.clone()
+    return t
+
+
+def _validate_requested(validate):
+    return validate or os.environ.get("PYMSDA_VALIDATE", "") == "1"
+
+
+class _MetaMSDA(torch.autograd.Function):
+    """The op on meta tensors outside tracing: outputs and gradients of the right shapes and
+    dtypes, no numbers (there are none to read)."""
+
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights, sizes):
+        B, S, H, C, L, Q, P = sizes
+        ctx.like = [(t.shape, t.dtype) for t in (value, sampling_locations, attention_weights)]
+        return value.new_empty((B, Q, H * C))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = tuple(grad_out.new_empty(shape, dtype=dtype) if need else None
+                      for (shape, dtype), need in zip(ctx.like, ctx.needs_input_grad))
+        return grads + (None,)
 
 
 class _Levels:
@@ -100,9 +158,10 @@ def _check_pairs(spatial_shapes):
 _pairs_cache = {}  # spatial_shapes given as a list (as a hashable tuple) -> its checked pairs
 
 
-def _host_pairs(spatial_shapes, device):
-    """spatial_shapes as a tuple of (H, W) int pairs, checked; None when it lives on the GPU
-    that runs the op (reading it there would synchronise)."""
+def _host_pairs(spatial_shapes, device, validate=False):
+    """spatial_shapes as a tuple of (H, W) int pairs, checked; None when it lives on the device
+    that runs the op and reading it there would synchronise (unless validate asks for exactly
+    that), or on meta."""
     if isinstance(spatial_shapes, torch.Tensor):
         if spatial_shapes.dtype not in _INDEX_CODE:
             raise TypeError(
@@ -110,7 +169,10 @@ def _host_pairs(spatial_shapes, device):
         if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] < 1:
             raise ValueError(
                 f"spatial_shapes must have shape (L, 2) with L >= 1, got {_describe(spatial_shapes)}")
-        if spatial_shapes.device.type != "cpu" and device.type != "cpu":
+        _check_index_device("spatial_shapes", spatial_shapes, device)
+        if spatial_shapes.device.type == "meta":
+            return None
+        if spatial_shapes.device.type != "cpu" and device.type != "cpu" and not validate:
             return None
         pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
     else:
@@ -130,8 +192,8 @@ def _host_pairs(spatial_shapes, device):
     return pairs
 
 
-def _prepare_levels(spatial_shapes, level_start_index, S, device):
-    pairs = _host_pairs(spatial_shapes, device)
+def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False):
+    pairs = _host_pairs(spatial_shapes, device, validate)
     if pairs is not None:
         total = sum(h * w for h, w in pairs)
         if total != S:
@@ -149,7 +211,11 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device):
         if level_start_index.dim() != 1 or level_start_index.shape[0] != L:
             raise ValueError(f"level_start_index must have shape ({L},) to match spatial_shapes, "
                              f"got {_describe(level_start_index)}")
-        if pairs is not None and level_start_index.device.type == "cpu":
+        _check_index_device("level_start_index", level_start_index, device)
+        # Read it where that costs no device synchronisation (or validate asks for one).
+        readable = level_start_index.device.type == "cpu" or device.type == "cpu" or (
+            validate and level_start_index.device.type != "meta")
+        if pairs is not None and readable:
             expected, total = [], 0
             for h, w in pairs:
                 expected.append(total)
@@ -165,21 +231,20 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device):
 
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
-    shapes = spatial_shapes
-    if shapes.device != device or not shapes.is_contiguous():
-        shapes = shapes.to(device).contiguous()
+    shapes = _aligned_contiguous(spatial_shapes.to(device))
     if level_start_index is None:
         sizes = shapes[:, 0] * shapes[:, 1]
         starts = torch.cumsum(sizes, 0) - sizes
     else:
         starts = level_start_index
-    if starts.device != device or starts.dtype != shapes.dtype or not starts.is_contiguous():
-        starts = starts.to(device=device, dtype=shapes.dtype).contiguous()
+    starts = _aligned_contiguous(starts.to(device=device, dtype=shapes.dtype))
     return _Levels(shapes, starts, None)
 
 
-def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Checks every argument; returns the tensors in the form the C library takes."""
+def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             validate=False):
+    """Checks every argument; returns the tensors in the form the C library takes. validate:
+    also read shape tables that live on the GPU and check them (a device synchronisation)."""
     _check_float_tensor("value", value, 4)
     _check_float_tensor("sampling_locations", sampling_locations, 6)
     _check_float_tensor("attention_weights", attention_weights, 5)
@@ -200,6 +265,7 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     if C < 1 or H < 1 or L < 1 or P < 1:
         raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
                          "(sampling_locations)")
+    _check_sizes(B, S, H, C, L, Q, P)
     device = value.device
     for name, t in (("sampling_locations", sampling_locations),
                     ("attention_weights", attention_weights)):
@@ -207,7 +273,7 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
             raise ValueError(f"{name} is on {t.device} but value is on {device}: all tensors "
                              "must be on one device")
 
-    levels = _prepare_levels(spatial_shapes, level_start_index, S, device)
+    levels = _prepare_levels(spatial_shapes, level_start_index, S, device, validate)
     if levels.shapes.shape[0] != L:
         raise ValueError(f"spatial_shapes has {levels.shapes.shape[0]} levels but "
                          f"sampling_locations has L = {L}: {_describe(sampling_locations)}")
@@ -217,8 +283,8 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
         sampling_locations = sampling_locations.to(value.dtype)
     if attention_weights.dtype != value.dtype:
         attention_weights = attention_weights.to(value.dtype)
-    return (value.contiguous(), levels, sampling_locations.contiguous(),
-            attention_weights.contiguous(), (B, S, H, C, L, Q, P))
+    return (_aligned_contiguous(value), levels, _aligned_contiguous(sampling_locations),
+            _aligned_contiguous(attention_weights), (B, S, H, C, L, Q, P))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +367,7 @@ _has_cuda_kernels = bool(lib.msda_has_cuda())
 
 
 def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights, im2col_step=None):
+                   attention_weights, im2col_step=None, *, validate=False):
     """Multi-Scale Deformable Attention (Deformable DETR's MSDeformAttnFunction).
 
     Args:
@@ -316,6 +382,13 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
             Points outside [0, 1] are allowed; neighbours outside the map contribute 0.
         attention_weights: (B, Q, H, L, P), already normalised by the caller (softmax).
         im2col_step: accepted for compatibility and ignored: any batch size works.
+        validate: also check spatial_shapes and level_start_index when they live on the GPU
+            (sizes >= 1, sum of H*W == S, starts consistent), which costs a device
+            synchronisation (so not inside CUDA graph capture); a bad table raises ValueError.
+            The environment variable PYMSDA_VALIDATE=1 turns it on for every call. Without it,
+            device-side tables are trusted: tables that disagree with value give wrong numbers
+            but never a read or write outside the tensors. Host-side tables (a list or a CPU
+            tensor) are always checked.
 
     Returns:
         (B, Q, H * C) tensor of value's dtype:
@@ -324,10 +397,28 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         i.e. grid_sample(bilinear, padding_mode="zeros", align_corners=False) with
         grid = 2 * loc - 1. sampling_locations and attention_weights of another float dtype are
         cast to value's dtype. Differentiable with respect to value, sampling_locations and
-        attention_weights. Half precision accumulates in float32.
+        attention_weights. Half precision accumulates in float32. Empty batches or query sets
+        (B = 0, Q = 0) give empty outputs and gradients; meta tensors give a meta output.
+
+    Non-finite input (CPU and CUDA, forward and backward):
+        A sampling location that is NaN or +-Inf in x or y (or so far outside its level that
+        no corner is inside) contributes nothing: the point adds 0 to the output, its weight
+        and location gradients are 0 and it scatters nothing into grad_value, whatever its
+        attention weight. A NaN or +-Inf attention weight of a point with a corner inside
+        enters the sum by IEEE arithmetic: out[b, q, h, :] becomes NaN (NaN weight) or
+        non-finite (Inf weight), as do the location gradient of that point and grad_value at
+        its corners; its own weight gradient (the bilinear sample) stays finite.
+
+    Raises:
+        TypeError for a wrong type or dtype and ValueError for a wrong shape, size, device or
+        shape table, each naming the argument; ValueError or RuntimeError from the library
+        (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
     value, levels, loc, attn, sizes = _prepare(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        _validate_requested(validate))
+    if value.device.type == "meta":
+        return _MetaMSDA.apply(value, loc, attn, sizes)
     if not _library_serves(value.device):
         from .reference import ms_deform_attn_pytorch
         return ms_deform_attn_pytorch(value, levels.shapes, loc, attn)

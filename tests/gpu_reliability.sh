@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# tests/gpu_reliability.sh: the GPU half of issue 6 (reliability), in one command on a GPU machine.
+#
+#   bash tests/gpu_reliability.sh            (from the repository root or anywhere)
+#
+# Steps (each with its own time limit; the whole is meant to finish in ~5-8 minutes on an H100):
+#   1 plain     tests/test_reliability.py and tests/test_threads.py without a sanitizer: the
+#               CUDA bad-input matrix, non-finite input, validation, two threads on two streams
+#               and the > 2^31-element half-precision tests (which need ~34 GB free).
+#   2 memcheck  compute-sanitizer memcheck over the lying device-side shape tables
+#               (-k "lying and cuda"): proves no read or write outside the tensors.
+#   3 memcheck  over the CUDA test suite (-k "cuda", minus the > 2^31 tests, which would take
+#               too long instrumented, the lying tests of step 2, CUDA graph capture, which needs
+#               the caching allocator, and the no-synchronisation test, which the allocator's
+#               cudaFree would trip).
+#   4 racecheck over a small forward/backward workload reaching every CUDA kernel variant
+#               (every fast-path group size, partial point chunks, the generic kernels, every
+#               dtype, each combination of requested gradients).
+#   5 synccheck over the same workload (barriers and warp shuffles under divergence).
+# Sanitizer steps run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every tensor is its own
+# cudaMalloc and memcheck knows its exact bounds, and instrument only pymsda's kernels
+# (--kernel-name kns=msda): torch's own kernels run at full speed and are not judged.
+#
+# Prints a summary table and exits non-zero if any step failed, timed out, or any sanitizer
+# reported anything (errors, or racecheck hazards of any severity). Logs: $LOG_DIR (default
+# $OUT/gpu_reliability when $OUT is set, else /tmp/gpu_reliability).
+# Environment: PYTHON (python3), COMPUTE_SANITIZER (found on PATH or under the CUDA toolkit),
+# STEP_LIMITS ("120 90 210 60 45" seconds), MEMCHECK_K (the -k expression of step 3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the workload scripts run from a temporary folder
+
+PYTHON=${PYTHON:-python3}
+LOG_DIR=${LOG_DIR:-${OUT:+$OUT/gpu_reliability}}
+LOG_DIR=${LOG_DIR:-/tmp/gpu_reliability}
+mkdir -p "$LOG_DIR"
+read -r -a LIMITS <<< "${STEP_LIMITS:-120 90 210 60 45}"
+MEMCHECK_K=${MEMCHECK_K:-"cuda and not int32_overflow and not lying and not captured_in_cuda_graph and not do_not_synchronise"}
+export PYTHONUNBUFFERED=1
+
+say() { printf '%s\n' "$*" | tee -a "$LOG_DIR/summary.txt"; }
+: > "$LOG_DIR/summary.txt"
+
+# ---- preflight: a GPU, a CUDA build of the library, compute-sanitizer ---------------------------
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    say "FAIL: torch sees no GPU ($PYTHON)"; exit 2
+fi
+if ! "$PYTHON" -c "import pymsda, sys; sys.exit(0 if pymsda.has_cuda() else 1)" 2>/dev/null; then
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ')
+    say "the loaded libpymsda has no CUDA kernels: building build-gpu/ for sm_${arch:-90}"
+    make --no-print-directory BUILD=build-gpu MSDA_CUDA=1 CUDA_ARCHS="${arch:-90}" \
+        >"$LOG_DIR/build.log" 2>&1 || { say "FAIL: make (see $LOG_DIR/build.log)"; exit 2; }
+    export PYMSDA_LIBRARY="$PWD/build-gpu/libpymsda.so"
+fi
+CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}
+if [ -z "$CS" ]; then
+    nvcc_dir=$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")
+    for c in "$nvcc_dir/compute-sanitizer" "$nvcc_dir/../compute-sanitizer/compute-sanitizer" \
+             /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+             /opt/nvidia/compute-sanitizer/compute-sanitizer; do
+        [ -x "$c" ] && { CS=$c; break; }
+    done
+fi
+[ -n "$CS" ] || { say "FAIL: compute-sanitizer not found (set COMPUTE_SANITIZER)"; exit 2; }
+# (the whole help text is read before grep: grep -q would close the pipe early and, under
+# pipefail, make the test fail)
+if "$CS" --help 2>&1 | grep -- "--kernel-name" >/dev/null; then
+    FILTER=(--kernel-name kns=msda)
+else
+    FILTER=(--filter kns=msda)
+fi
+SAN=("$CS" "${FILTER[@]}" --error-exitcode 1 --print-limit 50)
+say "pymsda: $("$PYTHON" -c 'import pymsda, torch; print(pymsda.library_path(), "| torch", torch.__version__, "|", torch.cuda.get_device_name(), "| archs", " ".join(pymsda.cuda_archs()))')"
+say "compute-sanitizer: $CS ($("$CS" --version 2>/dev/null | tail -n 1))"
+
+# ---- the racecheck / synccheck workload ---------------------------------------------------------
+WORKLOAD="$(mktemp -d)/workload.py"
+cat > "$WORKLOAD" <<'EOF'
+"""Every CUDA kernel variant of pymsda once, forward and backward, on small shapes."""
+import itertools
+import torch
+import pymsda
+
+torch.manual_seed(0)
+# C = 4*G for every fast-path group size G = 1..32 in f32 (the shared-memory layout depends on G,
+# not on the type), G = 1, 8, 32 in f16 and bf16; the generic kernels: C = 5, C = 256, f64.
+cases = [(torch.float32, c) for c in (4, 8, 16, 32, 64, 128)] + \
+        [(d, c) for d in (torch.float16, torch.bfloat16) for c in (4, 32, 128)] + \
+        [(torch.float32, 5), (torch.bfloat16, 256), (torch.float64, 8), (torch.float64, 3)]
+shapes = [(7, 9), (4, 5), (2, 3), (1, 1)]           # L = 4, P = 5: LP = 20 spans two chunks
+S = sum(h * w for h, w in shapes)
+runs = 0
+# all gradients (the fast backward then runs its two passes: point gradients, then grad_value)
+# and the weight gradient alone
+for (dtype, C), grads in itertools.product(cases, [(1, 1, 1), (0, 0, 1)]):
+    value = torch.randn(2, S, 3, C, device="cuda", dtype=dtype)
+    loc = (torch.rand(2, 37, 3, 4, 5, 2, device="cuda") * 1.4 - 0.2).to(dtype)
+    attn = torch.rand(2, 37, 3, 4, 5, device="cuda").to(dtype)
+    leaves = [t.requires_grad_(bool(g)) for t, g in zip((value, loc, attn), grads)]
+    out = pymsda.ms_deform_attn(leaves[0], shapes, None, leaves[1], leaves[2])
+    out.backward(torch.randn_like(out))
+    runs += 1
+torch.cuda.synchronize()
+print(f"workload: {runs} forward/backward runs over {len(cases)} kernel configurations")
+EOF
+
+# ---- steps ---------------------------------------------------------------------------------------
+status=0
+declare -a ROWS
+run_step() {  # name limit kind(plain|memcheck|racecheck|synccheck) command...
+    local name=$1 limit=$2 kind=$3; shift 3
+    local log="$LOG_DIR/$name.log" start rc summary result
+    start=$(date +%s)
+    echo "== $name ($kind, limit ${limit}s): $*" | tee "$log"
+    timeout --signal=INT --kill-after=20 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    summary=""
+    case $kind in
+        memcheck|synccheck) summary=$(grep -Eo "ERROR SUMMARY: [0-9]+ errors?" "$log" | tail -n 1) ;;
+        racecheck) summary=$(grep -Eo "RACECHECK SUMMARY: [0-9]+ hazards? displayed \([0-9]+ errors?, [0-9]+ warnings?\)" "$log" | tail -n 1) ;;
+        plain) summary=$(grep -Eo "[0-9]+ passed.*in [0-9.]+s" "$log" | tail -n 1) ;;
+    esac
+    if [ $rc -eq 124 ] || [ $rc -eq 130 ] || [ $rc -eq 137 ]; then
+        result="TIMEOUT"
+    elif [ "$kind" != plain ] && [ -z "$summary" ]; then
+        result="FAIL(no summary, rc=$rc)"
+    elif [ "$kind" = racecheck ] && ! echo "$summary" | grep -q "SUMMARY: 0 hazard"; then
+        result="FAIL(hazards)"
+    elif [ "$kind" != plain ] && [ "$kind" != racecheck ] && ! echo "$summary" | grep -q "SUMMARY: 0 error"; then
+        result="FAIL(errors)"
+    elif [ $rc -ne 0 ]; then
+        result="FAIL(tests, rc=$rc)"
+    else
+        result="PASS"
+    fi
+    [ "$result" = PASS ] || status=1
+    ROWS+=("$(printf '%-15s %-9s %-16s %5ss  %s' "$name" "$kind" "$result" "$(( $(date +%s) - start ))" "$summary")")
+    tail -n 5 "$log"
+}
+
+unset PYTORCH_NO_CUDA_MEMORY_CACHING  # torch disables caching when it is set at all
+run_step plain "${LIMITS[0]}" plain \
+    "$PYTHON" -m pytest tests/test_reliability.py tests/test_threads.py -q -p no:cacheprovider -rs
+
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+run_step memcheck-lying "${LIMITS[1]}" memcheck \
+    "${SAN[@]}" --tool memcheck "$PYTHON" -m pytest tests -q -p no:cacheprovider -k "lying and cuda"
+run_step memcheck-suite "${LIMITS[2]}" memcheck \
+    "${SAN[@]}" --tool memcheck "$PYTHON" -m pytest tests -q -p no:cacheprovider -k "$MEMCHECK_K"
+run_step racecheck "${LIMITS[3]}" racecheck \
+    "${SAN[@]}" --tool racecheck "$PYTHON" "$WORKLOAD"
+run_step synccheck "${LIMITS[4]}" synccheck \
+    "${SAN[@]}" --tool synccheck "$PYTHON" "$WORKLOAD"
+
+say ""
+say "step            tool      result            time  summary"
+for row in "${ROWS[@]}"; do say "$row"; done
+if [ $status -eq 0 ]; then
+    say "gpu_reliability: PASS (all steps clean; logs in $LOG_DIR)"
+else
+    say "gpu_reliability: FAIL (see the logs in $LOG_DIR)"
+fi
+exit $status

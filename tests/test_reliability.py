@@ -1,0 +1,686 @@
+"""tests/test_reliability.py: pymsda takes any input and answers with a correct result or a clear
+exception, leaving the process and the GPU usable (issue 6).
+
+- The bad-input matrix: malformed calls, each refused with a specific exception type and a
+  message naming the argument, on the CPU and on CUDA; on CUDA every refused call is followed by
+  a valid one that must still succeed (no sticky CUDA error).
+- The C library's own checks, reached directly through ctypes (sizes past 64-bit byte counts,
+  misaligned pointers, absurd thread counts).
+- Meta tensors, misaligned tensors, empty batches and query sets.
+- Non-finite input: the behaviour ms_deform_attn's docstring documents, pinned exactly.
+- Lying device-side shape tables: never a read or write outside the tensors (run this file under
+  compute-sanitizer memcheck on a GPU: tests/gpu_reliability.sh), and the opt-in validation
+  (validate=True or PYMSDA_VALIDATE=1) that checks them with a synchronisation.
+- More than 2^31 elements in value and in the output (CUDA, half precision; skipped without the
+  memory): sampled outputs and gradients against a direct computation.
+"""
+import numpy as np
+import pytest
+import torch
+
+import pymsda
+from pymsda import _lib
+from conftest import DEVICES, requires_cuda
+from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
+                       random_grad_output, rel_l2, run_msda)
+
+SHAPES = [(4, 5), (3, 2)]  # S = 26
+S = 26
+B, Q, H, C, L, P = 2, 3, 2, 4, 2, 3
+
+
+def base_inputs(generator, device, dtype=torch.float32, **kw):
+    return make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=dtype, device=device, **kw)
+
+
+def forward_and_grads(inputs, grad_output):
+    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+    out = run_msda(inputs, **leaves)
+    out.backward(grad_output)
+    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
+
+
+# ---- the bad-input matrix ---------------------------------------------------------------------
+
+def _resized(t, dim, size):
+    """t with dimension `dim` changed to `size`, same dtype and device."""
+    shape = list(t.shape)
+    shape[dim] = size
+    return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+
+def _host_tensor(rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _expanded(device, dtype, *shape):
+    """A view of `shape` over one element: any size, no memory."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+
+
+def _value_past_int64_bytes(i):
+    # value (2^21, 2^20, 2^10, 2^10): 2^61 elements, 2^64 bytes at 8 bytes an element.
+    dev = i["value"].device
+    return dict(value=_expanded(dev, torch.float64, 2 ** 21, 2 ** 20, 2 ** 10, 2 ** 10),
+                spatial_shapes=[(1024, 1024)], level_start_index=None,
+                sampling_locations=_expanded(dev, torch.float64, 2 ** 21, 1, 2 ** 10, 1, 1, 2),
+                attention_weights=_expanded(dev, torch.float64, 2 ** 21, 1, 2 ** 10, 1, 1))
+
+
+def _output_past_int64_bytes(i):
+    # every input fits, but the output (1, 2^30, 2^40) would have 2^70 elements
+    dev = i["value"].device
+    return dict(value=_expanded(dev, torch.float32, 1, 1, 1, 2 ** 40),
+                spatial_shapes=[(1, 1)], level_start_index=None,
+                sampling_locations=_expanded(dev, torch.float32, 1, 2 ** 30, 1, 1, 1, 2),
+                attention_weights=_expanded(dev, torch.float32, 1, 2 ** 30, 1, 1, 1))
+
+
+def _cast(name, dtype):
+    return lambda i: {name: i[name].to(dtype)}
+
+
+# (id, overrides of the valid inputs, exception type, pattern the message must contain)
+BAD_CALLS = [
+    # wrong ndim of each tensor
+    ("value_3d", lambda i: dict(value=i["value"].flatten(2)), ValueError, "value"),
+    ("value_5d", lambda i: dict(value=i["value"][None]), ValueError, "value"),
+    ("locations_5d", lambda i: dict(sampling_locations=i["sampling_locations"][..., 0]),
+     ValueError, "sampling_locations"),
+    ("weights_6d", lambda i: dict(attention_weights=i["attention_weights"][..., None]),
+     ValueError, "attention_weights"),
+    ("shapes_1d", lambda i: dict(spatial_shapes=i["spatial_shapes"].flatten()), ValueError,
+     "spatial_shapes"),
+    ("start_index_2d", lambda i: dict(level_start_index=i["level_start_index"][None]),
+     ValueError, "level_start_index"),
+    # each size mismatched between tensors
+    ("B_locations", lambda i: dict(sampling_locations=_resized(i["sampling_locations"], 0, B + 1)),
+     ValueError, "sampling_locations"),
+    ("B_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 0, B + 1)),
+     ValueError, "attention_weights"),
+    ("H_value", lambda i: dict(value=_resized(i["value"], 2, H + 1)), ValueError, "value"),
+    ("H_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 2, H + 1)),
+     ValueError, "attention_weights"),
+    ("C_zero", lambda i: dict(value=_resized(i["value"], 3, 0)), ValueError, r"C=0 \(value\)"),
+    ("L_locations_and_weights", lambda i: dict(
+        sampling_locations=_resized(i["sampling_locations"], 3, L + 1),
+        attention_weights=_resized(i["attention_weights"], 3, L + 1)),
+     ValueError, "spatial_shapes has 2 levels but sampling_locations has L = 3"),
+    ("L_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 3, L + 1)),
+     ValueError, "attention_weights"),
+    ("P_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 4, P + 1)),
+     ValueError, "attention_weights"),
+    ("P_zero", lambda i: dict(sampling_locations=_resized(i["sampling_locations"], 4, 0),
+                              attention_weights=_resized(i["attention_weights"], 4, 0)),
+     ValueError, r"P=0 \(sampling_locations\)"),
+    ("Q_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 1, Q + 1)),
+     ValueError, "attention_weights"),
+    ("xy_is_3", lambda i: dict(sampling_locations=_resized(i["sampling_locations"], 5, 3)),
+     ValueError, "sampling_locations"),
+    # shape tables
+    ("shapes_L_by_3", lambda i: dict(spatial_shapes=_resized(i["spatial_shapes"], 1, 3)),
+     ValueError, "spatial_shapes"),
+    ("shapes_no_levels", lambda i: dict(spatial_shapes=_resized(i["spatial_shapes"], 0, 0)),
+     ValueError, "spatial_shapes"),
+    ("start_index_too_long",
+     lambda i: dict(level_start_index=_resized(i["level_start_index"], 0, L + 1)),
+     ValueError, "level_start_index"),
+    # (host-side tables: device-side ones are read only with validate=True, tested below)
+    ("start_index_values", lambda i: dict(spatial_shapes=_host_tensor(SHAPES),
+                                          level_start_index=_host_tensor([0, 19])),
+     ValueError, "level_start_index"),
+    ("sum_of_sizes_not_S", lambda i: dict(spatial_shapes=_host_tensor([(4, 5), (3, 3)]),
+                                          level_start_index=None),
+     ValueError, "spatial_shapes"),
+    ("level_size_zero", lambda i: dict(spatial_shapes=_host_tensor([(0, 5), (3, 2)])),
+     ValueError, "spatial_shapes: level 0"),
+    ("level_size_negative", lambda i: dict(spatial_shapes=_host_tensor([(-4, -5), (3, 2)])),
+     ValueError, "spatial_shapes: level 0"),
+    ("level_size_negative_list", lambda i: dict(spatial_shapes=[(4, 5), (-3, -2)],
+                                                level_start_index=None),
+     ValueError, "spatial_shapes: level 1"),
+    ("shapes_float", _cast("spatial_shapes", torch.float32), TypeError, "spatial_shapes"),
+    ("shapes_bool", _cast("spatial_shapes", torch.bool), TypeError, "spatial_shapes"),
+    ("start_index_float", _cast("level_start_index", torch.float64), TypeError,
+     "level_start_index"),
+    ("shapes_list_of_fractions", lambda i: dict(spatial_shapes=[(4.5, 5), (3, 2)],
+                                                level_start_index=None),
+     TypeError, "spatial_shapes"),
+    ("shapes_none", lambda i: dict(spatial_shapes=None, level_start_index=None), TypeError,
+     "spatial_shapes"),
+    # integer, bool, complex and 8-bit float value / locations / weights
+    ("value_int32", _cast("value", torch.int32), TypeError, "value"),
+    ("value_bool", _cast("value", torch.bool), TypeError, "value"),
+    ("value_complex", _cast("value", torch.complex64), TypeError, "value"),
+    ("locations_int64", _cast("sampling_locations", torch.int64), TypeError,
+     "sampling_locations"),
+    ("locations_bool", _cast("sampling_locations", torch.bool), TypeError, "sampling_locations"),
+    ("locations_complex", _cast("sampling_locations", torch.complex128), TypeError,
+     "sampling_locations"),
+    ("weights_int16", _cast("attention_weights", torch.int16), TypeError, "attention_weights"),
+    ("weights_float8", _cast("attention_weights", torch.float8_e4m3fn), TypeError,
+     "attention_weights"),
+    ("value_numpy", lambda i: dict(value=i["value"].cpu().numpy()), TypeError, "value"),
+    # tensors that hold no numbers where numbers are needed
+    ("locations_on_meta", lambda i: dict(sampling_locations=i["sampling_locations"].to("meta")),
+     ValueError, "sampling_locations"),
+    ("shapes_on_meta", lambda i: dict(spatial_shapes=i["spatial_shapes"].to("meta")),
+     ValueError, "spatial_shapes"),
+    ("start_index_on_meta", lambda i: dict(level_start_index=i["level_start_index"].to("meta")),
+     ValueError, "level_start_index"),
+    # sizes past what the kernels can index (expanded views: no memory behind them)
+    ("value_past_int64_bytes", _value_past_int64_bytes, ValueError, "value"),
+    ("output_past_int64_bytes", _output_past_int64_bytes, ValueError, "output"),
+]
+
+
+def test_bad_input_matrix_has_at_least_25_distinct_calls():
+    assert len({case[0] for case in BAD_CALLS}) == len(BAD_CALLS) >= 25
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,overrides,exception,pattern", BAD_CALLS,
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_is_refused_naming_the_argument(generator, device, name, overrides,
+                                                  exception, pattern):
+    inputs = base_inputs(generator, device)
+    with pytest.raises(exception, match=pattern):
+        run_msda(inputs, **overrides(inputs))
+    # The process and the device stay usable: a valid call right after succeeds.
+    out = run_msda(inputs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+@requires_cuda
+@pytest.mark.parametrize("value_on,moved", [
+    ("cuda", "sampling_locations"), ("cuda", "attention_weights"),
+    ("cpu", "sampling_locations"), ("cpu", "attention_weights"),
+], ids=["cuda_value_cpu_locations", "cuda_value_cpu_weights", "cpu_value_cuda_locations",
+        "cpu_value_cuda_weights"])
+def test_tensors_on_different_devices_are_refused_cuda(generator, value_on, moved):
+    inputs = base_inputs(generator, value_on)
+    other = "cpu" if value_on == "cuda" else "cuda"
+    with pytest.raises(ValueError, match=moved):
+        run_msda(inputs, **{moved: inputs[moved].to(other)})
+    out = run_msda(inputs)
+    torch.cuda.synchronize()
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+# ---- the C library's checks, reached directly -------------------------------------------------
+
+def _call_forward(sizes, dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64, num_threads=1,
+                  pointers=None):
+    buffer = torch.zeros(64, dtype=torch.float64)
+    p = buffer.data_ptr()
+    ptrs = pointers or [p] * 6
+    status = _lib.lib.msda_forward(*sizes, dtype, index_dtype, -1, num_threads, *ptrs, None)
+    return status, _lib.lib.msda_last_error().decode()
+
+
+@pytest.mark.parametrize("sizes,needle", [
+    ((2 ** 40, 2 ** 40, 1, 1, 1, 1, 1), "overflow"),                   # B*S past int64
+    ((2 ** 21, 2 ** 20, 2 ** 10, 2 ** 10, 1, 1, 1), "overflow"),       # elements fit, bytes do not
+    ((1, 1, 1, 2 ** 40, 1, 2 ** 30, 1), "overflow"),                   # only the output overflows
+    ((1, 1, 1, 1, 2 ** 40, 2 ** 30, 2 ** 4), "overflow"),              # only the locations
+    ((1, 1, 1, 1, 2 ** 62, 0, 1), "level tables"),                     # Q = 0 leaves L unbounded
+    ((-1, 1, 1, 1, 1, 1, 1), "size B"),
+    ((1, 1, 1, 1, 1, -5, 1), "size Q"),
+    ((1, 1, 0, 1, 1, 1, 1), "size H"),
+], ids=["B_S", "value_bytes", "output", "locations", "levels", "negative_B", "negative_Q",
+        "zero_H"])
+def test_c_library_refuses_sizes_it_cannot_index(sizes, needle):
+    status, text = _call_forward(sizes)
+    assert status == _lib.ERR_INVALID_ARGUMENT and needle in text, text
+
+
+def test_c_library_refuses_a_thread_count_openmp_would_abort_on():
+    status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), num_threads=2 ** 31 - 1)
+    assert status == _lib.ERR_INVALID_ARGUMENT and "num_threads" in text, text
+    status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), num_threads=0)  # the OpenMP default
+    assert status == _lib.OK and text == ""
+
+
+@pytest.mark.parametrize("which,name", [(0, "value"), (1, "spatial_shapes"),
+                                        (3, "sampling_locations"), (5, "output")])
+def test_c_library_refuses_misaligned_pointers(which, name):
+    buffer = torch.zeros(64, dtype=torch.float64)
+    pointers = [buffer.data_ptr()] * 6
+    pointers[which] += 2  # element-aligned for nothing but 2-byte types
+    status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), pointers=pointers)
+    assert status == _lib.ERR_INVALID_ARGUMENT and name in text and "aligned" in text, text
+
+
+def test_misaligned_tensors_are_copied_not_refused(generator):
+    inputs = base_inputs(generator, "cpu")
+    value = inputs["value"]
+    raw = bytearray(value.numel() * 4 + 1)
+    misaligned = torch.frombuffer(raw, dtype=torch.float32, offset=1,
+                                  count=value.numel()).view(value.shape)
+    misaligned.copy_(value)
+    assert misaligned.data_ptr() % 4 != 0
+    out = run_msda(inputs, value=misaligned)
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+# ---- meta tensors and empty problems ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape_tables", ["list", "cpu", "meta"])
+def test_meta_tensors_give_meta_outputs_and_gradients(dtype, shape_tables):
+    value = torch.empty(B, S, H, C, device="meta", dtype=dtype, requires_grad=True)
+    locations = torch.empty(B, Q, H, L, P, 2, device="meta", dtype=dtype, requires_grad=True)
+    weights = torch.empty(B, Q, H, L, P, device="meta", dtype=dtype, requires_grad=True)
+    shapes = {"list": SHAPES, "cpu": torch.tensor(SHAPES),
+              "meta": torch.tensor(SHAPES, device="meta")}[shape_tables]
+    out = pymsda.ms_deform_attn(value, shapes, None, locations, weights)
+    assert out.device.type == "meta" and out.shape == (B, Q, H * C) and out.dtype == dtype
+    out.sum().backward()
+    for leaf in (value, locations, weights):
+        assert leaf.grad.device.type == "meta"
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("batch,queries", [(0, 3), (2, 0), (0, 0)],
+                         ids=["B0", "Q0", "B0_Q0"])
+def test_empty_batch_or_queries_give_empty_outputs_and_gradients(generator, device, dtype,
+                                                                 batch, queries):
+    inputs = make_inputs(generator, batch, queries, H, C, SHAPES, P, dtype=dtype, device=device)
+    leaves = {k: inputs[k].clone().requires_grad_(True) for k in GRAD_NAMES}
+    out = run_msda(inputs, **leaves)
+    assert out.shape == (batch, queries, H * C) and out.dtype == dtype
+    out.sum().backward()
+    for name in GRAD_NAMES:
+        grad = leaves[name].grad
+        assert grad.shape == inputs[name].shape and grad.dtype == dtype, name
+    # no query samples value: its gradient is zero (written, not left uninitialised)
+    assert torch.count_nonzero(leaves["value"].grad) == 0
+
+
+# ---- non-finite input (the behaviour documented in ms_deform_attn) ----------------------------
+
+POINT = (1, 2, 1, 0, 1)  # (b, q, h, l, p): the point the cases below make non-finite
+ROW = POINT[:3]
+
+
+def _finite_inputs(generator, device):
+    return base_inputs(generator, device, dtype=torch.float64, kink_free=True)
+
+
+def _with(inputs, loc=None, weight=None):
+    """inputs with POINT's location and/or weight replaced."""
+    inputs = dict(inputs)
+    if loc is not None:
+        inputs["sampling_locations"] = inputs["sampling_locations"].clone()
+        inputs["sampling_locations"][POINT] = torch.tensor(loc, dtype=torch.float64)
+    if weight is not None:
+        inputs["attention_weights"] = inputs["attention_weights"].clone()
+        inputs["attention_weights"][POINT] = weight
+    return inputs
+
+
+def _assert_matches_except(actual, expected, mask, bound=1e-11):
+    """actual == expected (rel L2 < bound) wherever mask is False."""
+    keep = ~mask
+    assert rel_l2(actual[keep], torch.as_tensor(expected)[keep]) < bound
+
+
+# the pixel coordinate (x, y) = (1.3, 1.6) of level 0 (4 x 5): all four corners inside
+INSIDE = ((1.3 + 0.5) / 5, (1.6 + 0.5) / 4)
+INSIDE_CORNERS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (y, x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loc", [(float("nan"), 0.5), (0.5, float("nan")),
+                                 (float("nan"), float("nan")), (float("inf"), 0.5),
+                                 (0.5, float("-inf")), (float("-inf"), float("inf")),
+                                 (1e30, 0.5), (0.5, -1e300)],
+                         ids=["nan_x", "nan_y", "nan_xy", "inf_x", "neg_inf_y", "inf_both",
+                              "huge_x", "huge_negative_y"])
+def test_non_finite_location_contributes_nothing_and_gets_zero_gradients(generator, device, loc):
+    inputs = _finite_inputs(generator, device)
+    bad = _with(inputs, loc=loc)
+    # What the op must equal: the same inputs with that point's weight 0 (location finite).
+    expected_inputs = _with(inputs, loc=(0.5, 0.5), weight=0.0)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    out, grads = forward_and_grads(bad, grad_output)
+    assert rel_l2(out, oracle_forward(expected_inputs)) < 1e-12
+    grad_value, grad_loc, grad_attn = grads
+    expected_value, expected_loc, expected_attn = oracle_backward(expected_inputs, grad_output)
+    assert rel_l2(grad_value, expected_value) < 1e-11
+    assert torch.all(grad_loc[POINT] == 0) and grad_attn[POINT] == 0
+    expected_loc[POINT] = 0
+    expected_attn[POINT] = 0
+    assert rel_l2(grad_loc, expected_loc) < 1e-11
+    assert rel_l2(grad_attn, expected_attn) < 1e-11
+
+
+def _corner_mask(value_shape):
+    mask = torch.zeros(value_shape, dtype=torch.bool)
+    b, _, h, _, _ = POINT
+    for y, x in INSIDE_CORNERS:  # level 0 starts at 0 and is 5 wide
+        mask[b, y * 5 + x, h, :] = True
+    return mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), float("-inf")],
+                         ids=["nan", "inf", "neg_inf"])
+def test_non_finite_weight_of_an_inside_point_poisons_its_row_only(generator, device, weight):
+    inputs = _with(_finite_inputs(generator, device), loc=INSIDE)
+    bad = _with(inputs, weight=weight)
+    expected_inputs = _with(inputs, weight=0.0)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    out, (grad_value, grad_loc, grad_attn) = forward_and_grads(bad, grad_output)
+    out, grad_value = out.cpu(), grad_value.cpu()
+    grad_loc, grad_attn = grad_loc.cpu(), grad_attn.cpu()
+    row = out.view(B, Q, H, C)[ROW]
+    if weight != weight:
+        assert torch.isnan(row).all()
+    else:
+        assert not torch.isfinite(row).any()
+    row_mask = torch.zeros(B, Q, H, C, dtype=torch.bool)
+    row_mask[ROW] = True
+    _assert_matches_except(out, oracle_forward(expected_inputs),
+                           row_mask.view(B, Q, H * C), bound=1e-12)
+
+    expected_value, expected_loc, expected_attn = oracle_backward(expected_inputs, grad_output)
+    corners = _corner_mask(grad_value.shape)
+    assert torch.equal(~torch.isfinite(grad_value), corners)
+    _assert_matches_except(grad_value, expected_value, corners)
+    point_mask = torch.zeros(grad_loc.shape, dtype=torch.bool)
+    point_mask[POINT] = True
+    assert not torch.isfinite(grad_loc[POINT]).any()
+    _assert_matches_except(grad_loc, expected_loc, point_mask)
+    # the weight's own gradient is the bilinear sample: finite, as for any weight
+    assert rel_l2(grad_attn, expected_attn) < 1e-11
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loc", [(5.0, 5.0), (float("nan"), 0.5)], ids=["far_outside", "nan"])
+def test_non_finite_weight_of_a_point_outside_changes_nothing_else(generator, device, loc):
+    inputs = _with(_finite_inputs(generator, device), loc=loc)
+    bad = _with(inputs, weight=float("nan"))
+    expected_inputs = _with(inputs, loc=(0.5, 0.5), weight=0.0)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    out, (grad_value, grad_loc, grad_attn) = forward_and_grads(bad, grad_output)
+    assert rel_l2(out, oracle_forward(expected_inputs)) < 1e-12
+    expected_value, expected_loc, expected_attn = oracle_backward(expected_inputs, grad_output)
+    assert rel_l2(grad_value, expected_value) < 1e-11
+    assert grad_attn[POINT] == 0
+    expected_attn[POINT] = 0
+    assert rel_l2(grad_attn, expected_attn) < 1e-11
+    point_mask = torch.zeros(grad_loc.shape, dtype=torch.bool)
+    point_mask[POINT] = True
+    _assert_matches_except(grad_loc.cpu(), expected_loc, point_mask)
+    assert torch.all(grad_loc[POINT] == 0)
+
+
+# ---- shape tables and the opt-in validation ---------------------------------------------------
+
+def test_validate_flag_and_environment_variable_accepted_on_cpu(generator, monkeypatch):
+    # On the CPU every table is read anyway; validation must change nothing there.
+    inputs = base_inputs(generator, "cpu")
+    expected = run_msda(inputs)
+    assert torch.equal(pymsda.ms_deform_attn(*(inputs[k] for k in (
+        "value", "spatial_shapes", "level_start_index", "sampling_locations",
+        "attention_weights")), validate=True), expected)
+    monkeypatch.setenv("PYMSDA_VALIDATE", "1")
+    assert torch.equal(run_msda(inputs), expected)
+    with pytest.raises(ValueError, match="level_start_index"):
+        run_msda(inputs, level_start_index=torch.tensor([0, 19]))
+
+
+def test_validate_is_keyword_only():
+    with pytest.raises(TypeError):
+        pymsda.ms_deform_attn(None, None, None, None, None, None, True)
+
+
+# (spatial_shapes, level_start_index) tables that disagree with value (S = 26) in every way a
+# table can: sides past 2^40, 2^24 (the fast path's limit) or 2^31, zero and negative sides,
+# starts negative or past S, sums past S.
+LYING_TABLES_I64 = [
+    ([(2 ** 40 + 1, 2 ** 40 + 1), (3, 2)], [0, 20]),
+    ([(2 ** 40, 2 ** 40), (3, 2)], [0, 20]),
+    ([(2 ** 24 + 1, 5), (3, 2 ** 31)], [0, 20]),
+    ([(-4, 5), (3, -2)], [0, 20]),
+    ([(0, 5), (3, 0)], [0, 20]),
+    ([(4, 5), (3, 2)], [-7, 20]),
+    ([(4, 5), (3, 2)], [0, 1000]),
+    ([(4, 5), (3, 2)], [2 ** 63 - 1, -2 ** 63]),
+    ([(50, 50), (40, 41)], [0, 2500]),
+    ([(4, 5), (3, 2)], [25, 25]),
+]
+LYING_TABLES_I32 = [
+    ([(2 ** 31 - 1, 2 ** 31 - 1), (3, 2)], [0, 20]),
+    ([(-2 ** 31, 5), (3, 2)], [0, 20]),
+    ([(4, 5), (3, 2)], [2 ** 31 - 1, -2 ** 31]),
+    ([(50, 50), (40, 41)], [0, 2500]),
+]
+LYING = ([("i64", t) for t in LYING_TABLES_I64] + [("i32", t) for t in LYING_TABLES_I32])
+# dtype and C: f32 C=8 and bf16 C=4 take the CUDA fast path, f32 C=5 and f64 the generic one
+LYING_KINDS = [(torch.float32, 8), (torch.float32, 5), (torch.bfloat16, 4), (torch.float64, 3)]
+
+
+def _lying_call(generator, device, dtype, channels, index, table, validate=False):
+    index_dtype = torch.int64 if index == "i64" else torch.int32
+    shapes, starts = table
+    value = torch.randn(1, S, H, channels, generator=generator, dtype=torch.float64)
+    locations = torch.rand(1, 40, H, L, P, 2, generator=generator, dtype=torch.float64) * 1.4 - 0.2
+    locations[0, 0, 0, 0, :, :] = torch.tensor([0.0, 1.0, float("nan")])[:P, None]
+    weights = torch.rand(1, 40, H, L, P, generator=generator, dtype=torch.float64)
+    leaves = [t.to(device=device, dtype=dtype).requires_grad_(True)
+              for t in (value, locations, weights)]
+    out = pymsda.ms_deform_attn(leaves[0], torch.tensor(shapes, dtype=index_dtype, device=device),
+                                torch.tensor(starts, dtype=index_dtype, device=device),
+                                leaves[1], leaves[2], validate=validate)
+    out.backward(torch.ones_like(out))
+    return out, leaves
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,channels", LYING_KINDS,
+                         ids=[f"{str(d)[6:]}-C{c}" for d, c in LYING_KINDS])
+@pytest.mark.parametrize("index,table", LYING, ids=[f"{i}-{n}" for n, (i, _) in enumerate(LYING)])
+def test_lying_device_shapes_stay_in_bounds_cuda(generator, dtype, channels, index, table):
+    # Run under compute-sanitizer memcheck (tests/gpu_reliability.sh, with the caching allocator
+    # off) this proves no read or write leaves the tensors; alone it checks that every output
+    # is a convex mix of value entries and every gradient is written and finite.
+    out, (value, locations, weights) = _lying_call(generator, "cuda", dtype, channels, index, table)
+    torch.cuda.synchronize()
+    bound = weights.detach().double().abs().sum((-1, -2)) * value.detach().double().abs().max()
+    per_row = out.detach().double().view(1, 40, H, channels).abs().amax(-1)
+    assert torch.isfinite(out).all() and (per_row <= bound * 1.01 + 1e-6).all()
+    for leaf in (value, locations, weights):
+        assert torch.isfinite(leaf.grad).all()
+    # and the device is still fine
+    inputs = base_inputs(generator, "cuda")
+    assert rel_l2(run_msda(inputs), oracle_forward(inputs)) < 1e-6
+
+
+@pytest.mark.parametrize("index,table", LYING, ids=[f"{i}-{n}" for n, (i, _) in enumerate(LYING)])
+def test_lying_shapes_stay_in_bounds_cpu_c_level(generator, index, table):
+    # The same tables through the C library's CPU path, bypassing the Python checks (ctypes):
+    # under `make sanitize` AddressSanitizer makes this strict.
+    index_dtype = torch.int64 if index == "i64" else torch.int32
+    shapes = torch.tensor(table[0], dtype=index_dtype)
+    starts = torch.tensor(table[1], dtype=index_dtype)
+    value = torch.randn(1, S, H, C, generator=generator)
+    locations = torch.rand(1, 40, H, L, P, 2, generator=generator) * 1.4 - 0.2
+    weights = torch.rand(1, 40, H, L, P, generator=generator)
+    out = torch.full((1, 40, H, C), float("nan"))
+    grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
+    code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
+    args = (1, S, H, C, L, 40, P, _lib.DTYPE_F32, code, -1, 2)
+    assert _lib.lib.msda_forward(*args, value.data_ptr(), shapes.data_ptr(), starts.data_ptr(),
+                                 locations.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                                 None) == _lib.OK
+    assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes.data_ptr(), starts.data_ptr(),
+                                  locations.data_ptr(), weights.data_ptr(),
+                                  torch.ones_like(out).data_ptr(),
+                                  *(g.data_ptr() for g in grads), None) == _lib.OK
+    bound = weights.abs().sum((-1, -2)) * value.abs().max()
+    assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+
+
+LYING_FOR_VALIDATION = [
+    ([(4, 5), (3, 3)], [0, 20], "spatial_shapes"),   # sum of sizes 29 != S
+    ([(-4, -5), (3, 2)], [0, 20], "spatial_shapes"),  # sum is S, sizes negative
+    ([(4, 5), (3, 2)], [0, 19], "level_start_index"),
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("how", ["flag", "environment"])
+@pytest.mark.parametrize("shapes,starts,name", LYING_FOR_VALIDATION,
+                         ids=["sum_not_S", "negative_sizes", "starts"])
+def test_validation_refuses_lying_device_tables_cuda(generator, monkeypatch, how, shapes, starts,
+                                                     name):
+    inputs = base_inputs(generator, "cuda")
+    bad = dict(spatial_shapes=torch.tensor(shapes, device="cuda"),
+               level_start_index=torch.tensor(starts, device="cuda"))
+    run_msda(inputs, **bad)  # unchecked by default: no synchronisation, no error
+    torch.cuda.synchronize()
+    if how == "flag":
+        with pytest.raises(ValueError, match=name):
+            run_msda(inputs, **bad, validate=True)
+    else:
+        monkeypatch.setenv("PYMSDA_VALIDATE", "1")
+        with pytest.raises(ValueError, match=name):
+            run_msda(inputs, **bad)
+    # honest device tables pass validation
+    out = run_msda(inputs, validate=(how == "flag"))
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+# ---- more than 2^31 elements (CUDA, half precision) --------------------------------------------
+
+# value (1, 4100*4100, 2, 64) and output (1, 2^24 + 2^16, 128): each just over 2^31 elements,
+# 4.3 GB in float16. One level, one point: each output row is one bilinear sample.
+BIG_SIDE, BIG_H, BIG_C, BIG_Q = 4100, 2, 64, 2 ** 24 + 2 ** 16
+BIG_S = BIG_SIDE * BIG_SIDE
+assert BIG_S * BIG_H * BIG_C > 2 ** 31 and BIG_Q * BIG_H * BIG_C > 2 ** 31
+
+
+def _free_gpu_bytes():
+    free, _ = torch.cuda.mem_get_info()
+    return free
+
+
+def _big_inputs():
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    value = torch.randn(1, BIG_S, BIG_H, BIG_C, device="cuda", dtype=torch.float16, generator=gen)
+    locations = torch.rand(1, BIG_Q, BIG_H, 1, 1, 2, device="cuda", generator=gen).half()
+    weights = torch.rand(1, BIG_Q, BIG_H, 1, 1, device="cuda", generator=gen).half()
+    # rows to check: the first and last queries, and points at the far corner of the level,
+    # whose corners sit past element 2^31 of value
+    checks = [(0, 0), (1, 1), (BIG_Q // 2, 0), (BIG_Q - 2, 1), (BIG_Q - 1, 0), (BIG_Q - 1, 1)]
+    far = torch.tensor([1.0 - 0.3 / BIG_SIDE, 1.0 - 0.8 / BIG_SIDE], device="cuda")
+    for q, h in checks[-3:]:
+        locations[0, q, h, 0, 0] = far.half()
+    return value, locations, weights, checks
+
+
+def _direct_sample(value, locations, weights, q, h):
+    """A * bilinear(value) at (q, h) in float64 from the four corners, plus the corners'
+    flat indices and weights."""
+    lx, ly = locations[0, q, h, 0, 0].double().tolist()
+    a = float(weights[0, q, h, 0, 0])
+    x, y = lx * BIG_SIDE - 0.5, ly * BIG_SIDE - 0.5
+    x0, y0 = int(np.floor(x)), int(np.floor(y))
+    fx, fy = x - x0, y - y0
+    total = torch.zeros(BIG_C, dtype=torch.float64)
+    corners = []
+    for dy in (0, 1):
+        for dx in (0, 1):
+            xx, yy = x0 + dx, y0 + dy
+            if 0 <= xx < BIG_SIDE and 0 <= yy < BIG_SIDE:
+                w = (fx if dx else 1 - fx) * (fy if dy else 1 - fy)
+                idx = yy * BIG_SIDE + xx
+                total += a * w * value[0, idx, h].double().cpu()
+                corners.append((idx, w))
+    return total, corners, a, (x0, y0, fx, fy)
+
+
+@requires_cuda
+def test_int32_overflow_forward_half_over_2_31_elements_cuda():
+    if _free_gpu_bytes() < 14 * 2 ** 30:
+        pytest.skip("needs about 14 GB of free GPU memory")
+    value, locations, weights, checks = _big_inputs()
+    out = pymsda.ms_deform_attn(value, [(BIG_SIDE, BIG_SIDE)], None, locations, weights)
+    torch.cuda.synchronize()
+    assert out.shape == (1, BIG_Q, BIG_H * BIG_C)
+    view = out.view(1, BIG_Q, BIG_H, BIG_C)
+    for q, h in checks:
+        expected, corners, _, _ = _direct_sample(value, locations, weights, q, h)
+        assert corners, (q, h)
+        actual = view[0, q, h].double().cpu()
+        torch.testing.assert_close(actual, expected, rtol=4e-3, atol=4e-3, msg=f"row {(q, h)}")
+    far_offset = (checks[-1][0] * BIG_H + checks[-1][1]) * BIG_C
+    assert far_offset > 2 ** 31  # the last rows checked lie past element 2^31 of the output
+
+
+@requires_cuda
+def test_int32_overflow_backward_half_over_2_31_elements_cuda():
+    if _free_gpu_bytes() < 34 * 2 ** 30:
+        pytest.skip("needs about 34 GB of free GPU memory")
+    value, locations, weights, checks = _big_inputs()
+    leaves = [t.requires_grad_(True) for t in (value, locations, weights)]
+    # grad_output is zero except on the checked rows, so every gradient is known exactly; it is
+    # small (1/16) so that the location gradients, ~ A * 4100 * <g, dv>, stay inside float16
+    gen = torch.Generator().manual_seed(7)
+    grad_output = torch.zeros(1, BIG_Q, BIG_H * BIG_C, dtype=torch.float16, device="cuda")
+    grad_rows = {}
+    for q, h in checks:
+        g = (torch.randn(BIG_C, generator=gen, dtype=torch.float64) / 16).half()
+        grad_output.view(1, BIG_Q, BIG_H, BIG_C)[0, q, h] = g.cuda()
+        grad_rows[(q, h)] = g.double()
+    torch.autograd.backward(
+        pymsda.ms_deform_attn(leaves[0], [(BIG_SIDE, BIG_SIDE)], None, leaves[1], leaves[2]),
+        grad_output)
+    torch.cuda.synchronize()
+    grad_value, grad_loc, grad_attn = (t.grad for t in leaves)
+    expected_value = {}
+    for (q, h), g in grad_rows.items():
+        sample, corners, a, (x0, y0, fx, fy) = _direct_sample(value.detach(), locations.detach(),
+                                                              weights.detach(), q, h)
+        # d/dA = <sample / A, g>; d/dloc from the corners' differences
+        v = {}
+        for dy in (0, 1):
+            for dx in (0, 1):
+                xx, yy = x0 + dx, y0 + dy
+                inside = 0 <= xx < BIG_SIDE and 0 <= yy < BIG_SIDE
+                v[dy, dx] = (value.detach()[0, yy * BIG_SIDE + xx, h].double().cpu() if inside
+                             else torch.zeros(BIG_C, dtype=torch.float64))
+        bilinear = sum((fx if dx else 1 - fx) * (fy if dy else 1 - fy) * v[dy, dx]
+                       for dy in (0, 1) for dx in (0, 1))
+        d_attn = float((bilinear * g).sum())
+        slope_x = (1 - fy) * (v[0, 1] - v[0, 0]) + fy * (v[1, 1] - v[1, 0])
+        slope_y = (1 - fx) * (v[1, 0] - v[0, 0]) + fx * (v[1, 1] - v[0, 1])
+        d_x = a * BIG_SIDE * float((slope_x * g).sum())
+        d_y = a * BIG_SIDE * float((slope_y * g).sum())
+        scale = float(g.abs().sum() * bilinear.abs().max() + 1)
+        assert abs(float(grad_attn[0, q, h, 0, 0]) - d_attn) < 4e-3 * scale, (q, h)
+        got = grad_loc[0, q, h, 0, 0].double().cpu()
+        loc_scale = a * BIG_SIDE * scale
+        assert abs(float(got[0]) - d_x) < 4e-3 * loc_scale, (q, h)
+        assert abs(float(got[1]) - d_y) < 4e-3 * loc_scale, (q, h)
+        for idx, w in corners:
+            key = (idx, h)
+            expected_value[key] = expected_value.get(key, 0) + a * w * g
+    for (idx, h), expected in expected_value.items():
+        torch.testing.assert_close(grad_value[0, idx, h].double().cpu(), expected, rtol=4e-3,
+                                   atol=1e-5, msg=f"grad_value at {(idx, h)}")
+    # nothing else was written into grad_value: its L1 norm is that of the checked corners
+    total = float(torch.linalg.vector_norm(grad_value, ord=1, dtype=torch.float32))
+    expected_total = sum(float(e.abs().sum()) for e in expected_value.values())
+    assert abs(total - expected_total) < 1e-2 * expected_total
+    # unchecked points get zero weight and location gradients
+    for q in (2, BIG_Q // 3, BIG_Q - 3):
+        assert float(grad_attn[0, q].abs().sum()) == 0 and float(grad_loc[0, q].abs().sum()) == 0
