@@ -288,6 +288,24 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
         geo = make_float4(a, fx, fy, 0.f);
 }
 
+/* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) in shared memory, one
+ * thread per point (stage_point); slots past the last item or point get offsets -1. The caller
+ * synchronises before reading them. */
+template <typename T, bool WEIGHTS, typename St>
+__device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl, int base,
+                                            int n_items, int p0, int kn, int4 *s_offs,
+                                            float4 *s_geo) {
+    for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+        const int il = j / St::K, k = j % St::K;
+        int4 offs = make_int4(-1, -1, -1, -1);
+        float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (base + il < n_items && k < kn)
+            stage_point<T, WEIGHTS>(pr, s_lvl, base + il, p0 + k, offs, geo);
+        s_offs[il * St::STRIDE + k] = offs;
+        s_geo[il * St::STRIDE + k] = geo;
+    }
+}
+
 /* G = C / 4 when the fast kernels can serve this problem, else 0. */
 static inline int fast_group(const msda_problem *pr, const void *const *ptrs, int n_ptrs) {
     const int64_t V = 4;

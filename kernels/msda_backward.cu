@@ -171,15 +171,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
         }
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
-                const int il = j / St::K, k = j % St::K;
-                int4 offs = make_int4(-1, -1, -1, -1);
-                float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (base + il < n_items && k < kn)
-                    stage_point<T, false>(pr, s_lvl, base + il, p0 + k, offs, geo);
-                s_offs[il * St::STRIDE + k] = offs;
-                s_geo[il * St::STRIDE + k] = geo;
-            }
+            stage_chunk<T, false, St>(pr, s_lvl, base, n_items, p0, kn, s_offs, s_geo);
             __syncthreads();
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */

@@ -90,15 +90,7 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
         for (int j = 0; j < V; j++) acc[j] = 0.f;
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
-                const int il = j / St::K, k = j % St::K;
-                int4 offs = make_int4(-1, -1, -1, -1);
-                float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (base + il < n_items && k < kn)
-                    stage_point<T, true>(pr, s_lvl, base + il, p0 + k, offs, w);
-                s_offs[il * St::STRIDE + k] = offs;
-                s_w[il * St::STRIDE + k] = w;
-            }
+            stage_chunk<T, true, St>(pr, s_lvl, base, n_items, p0, kn, s_offs, s_w);
             __syncthreads();
 #pragma unroll 4
             for (int k = 0; k < kn; k++) {
