@@ -1,5 +1,75 @@
 /* c/cpu_kernels.c: MSDA forward and backward on the CPU, threaded with OpenMP.
- * (header comment with the design notes: written after measuring) */
+ *
+ * out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
+ *                                                                  y = loc_y*H_l - 0.5)
+ * Layouts as in msda.h; a "row" is the C channels of value[b, s, h, :] (H*C elements apart from
+ * the next position). The per-dtype kernels are cpu_kernels.inc, included once per element type.
+ *
+ * Geometry (GEOMETRY in the .inc): the points of one (b, q, h) are located GROUP = 16 at a time,
+ * lane-wise so the loops vectorise: x, y, the cell, the fraction and the four corner indices in
+ * double, where they are exact, so fx = x - floor(x) is rounded once; a point or corner outside
+ * its level (or outside [0, S), for lying shape tables) reads a zero row with weight 0.
+ * Forward: tasks of (b, q) rows, all heads of a query together (its heads read neighbouring value
+ *   rows). Per (b, q, h): the group's 4 x 16 corner rows are summed into CHUNK accumulators that
+ *   stay in vector registers (GATHER_FULL: 4 FMAs a corner for C = 32 with AVX2), while the next
+ *   group is located and its rows prefetched.
+ * Backward: grad_value is zeroed in 2 MB pieces by all threads, then one task per (b, h) owns
+ *   grad_value[b, :, h, :] and writes the location and weight gradients of its (b, *, h) points:
+ *   no two threads write the same element, no lock or atomic. Per point: four dot products
+ *   go . corner row kept as LANES partial sums, combined lane-wise into the three sums the point
+ *   gradients need and reduced by a fixed tree (vectorised without -ffast-math, same sums on any
+ *   vector width), and the four grad_value rows updated. Groups are located one ahead and, for a
+ *   map over 4 MB, their value and grad_value rows prefetched; the (b, h) slice's strided rows of
+ *   grad_output, sampling_locations and attention_weights are prefetched 4 queries ahead. With
+ *   fewer (b, h) slices than 4 per thread (B = H = 1, many threads) the work splits instead into
+ *   point-gradient tasks over (b, h, query block) and grad_value tasks over (b, h, channel block).
+ * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64. f16/bf16 values are converted as they
+ *   are loaded (once per use; half.h's conversions are branch-free so those loops vectorise) and
+ *   a grad_output row once per (b, q, h). Results do not depend on the thread count.
+ * Vector width: the kernels (FORWARD_ROWS, BACKWARD_TASK) are built twice with target_clones,
+ *   x86-64-v3 (AVX2 + FMA) and the baseline; an ifunc picks one at load time. No -march=native.
+ *   Elsewhere (aarch64, clang) the baseline build only.
+ * Threads: the caller's count (pymsda passes torch.get_num_threads()), tasks handed out through
+ *   an atomic counter, so a thread that starts late or is preempted leaves its share to the
+ *   others. libpymsda links libgomp.so.1 and torch's pip wheels ship a libgomp.so.1 too: the
+ *   loader resolves both to the one already loaded (torch's, as pymsda imports torch first), so
+ *   torch and pymsda share one OpenMP runtime and one thread pool (tests/test_cpu_threads.py
+ *   checks it) and no second runtime spins against torch's; hence OpenMP rather than a pool of
+ *   our own. One thread (a DataLoader worker: torch sets 1 there) calls no OpenMP function at
+ *   all, which keeps a forked worker clear of the parent's pool (libgomp is not fork-safe, for
+ *   torch's own ops either); inside an OpenMP parallel region the op runs on one thread.
+ * Memory: per-thread scratch of a few C-element rows; outputs larger than 8 MB are madvise'd to
+ *   transparent huge pages before their first write (fresh 40 MB grad_value: 11-21 ms of 4 KB
+ *   page faults, ~3-4 ms with huge pages).
+ *
+ * Tried (times: kernel only, 3 input sets in rotation, this 2-core AMD EPYC VM; ratios from
+ * interleaved single-thread A/B runs, which the machine's noise (often +-25%) allows):
+ *   v0 (the first version): per-(b,q) forward with a C-loop per corner into an accumulator in
+ *      memory; per-(b,h) backward with runtime-C loops. 2 threads: small_enc f32 fwd 3.0 /
+ *      bwd 12.0 ms, dec300 3.3 / 8.8, ddetr_dec 5.5 / 15.0.
+ *   v1 CHUNK accumulators in registers: 1.4x SLOWER at first: GCC's unroll-and-jam (-O3) paired
+ *      corners and left the channel loop scalar; -fno-loop-unroll-and-jam: forward 2x faster.
+ *   v2 backward per-corner loops with `omp simd reduction`: GCC sums the lanes one by one from
+ *      the stack; the fixed LANES partial sums and tree instead: backward -15..-20%.
+ *   v3 LANES 16 for f16/bf16 (a 16-bit load fills a 256-bit vector only at 16 lanes; at 8 the
+ *      sums went through the stack with failed store forwarding): bf16 backward -10..-15%;
+ *      LANES 4 for f64: -7%.
+ *   v4 backward prefetch of the rows a group will touch: decoders -20..-25%, small_enc +8%
+ *      (1.4 MB map, in cache) -> only for maps over 4 MB; strided loc/attn/go rows prefetched
+ *      4 queries ahead: -5..-20%; prefetch into L2 (locality 1) rather than L1: -10..-30%.
+ *   v5 forward: next group located and prefetched while the current one is summed: f32 decoders
+ *      -10%, bf16 -30..-40%.
+ *   v6 vectorised geometry (it was 78-85% of the forward): forward -20..-27% (f32, bf16);
+ *      needs -fno-trapping-math, else GCC will not if-convert the floating-point compares.
+ *      2 threads: small_enc f32 fwd 2.5 / bwd 5.2 ms, dec300 1.0 / 2.9, ddetr_dec 1.2 / 5.8
+ *      <- shipped.
+ *   Not shipped: an AVX-512 clone (f32/f64 -3..-7%, bf16 backward +18..+27%); zeroing each
+ *   (b, h) slice in its own task instead of the shared memset (+0..+15%); a two-phase backward,
+ *   point gradients over (b, q) rows like the forward and grad_value over (b, h) (small_enc
+ *   +12..+21%, decoders +-3%); grad_value contributions counting-sorted by row and applied in
+ *   one sweep that writes each row once, no memset (1.15-2.7x slower: strided stores read each
+ *   line first); the split mode for every shape (dec300 backward +15%).
+ */
 #if !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE /* madvise under -std=c11 */
 #endif
@@ -117,30 +187,25 @@ static void advise_huge_pages(void *ptr, int64_t bytes) {
 }
 
 /* Prefetches the cache lines of a row about to be read / written (the first 256 bytes: wider
- * rows are streams the hardware prefetcher follows). */
-#ifndef MSDA_PF_LOCALITY
-#define MSDA_PF_LOCALITY 1
-#endif
+ * rows are streams the hardware prefetcher follows). Locality 1 (prefetcht2 / prefetchw on x86):
+ * into the outer caches, which measured 10-30% faster on the decoder shapes than into L1
+ * (locality 3) and much faster than non-temporal (0). */
 static inline void msda_prefetch_read(const void *row, int64_t bytes) {
     const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63;
     const uintptr_t end = (uintptr_t)row + (uintptr_t)(bytes < 256 ? bytes : 256);
-    for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch((const void *)a, 0, MSDA_PF_LOCALITY);
+    for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch((const void *)a, 0, 1);
 }
 
 static inline void msda_prefetch_write(void *row, int64_t bytes) {
     const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63;
     const uintptr_t end = (uintptr_t)row + (uintptr_t)(bytes < 256 ? bytes : 256);
-    for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch((const void *)a, 1, MSDA_PF_LOCALITY);
+    for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch((const void *)a, 1, 1);
 }
 
-/* Part `part` of `parts` of [0, n), in whole multiples of `align`. */
-static void split_range(int64_t n, int64_t align, int part, int parts, int64_t *begin,
-                        int64_t *end) {
-    int64_t blocks = (n + align - 1) / align;
-    *begin = blocks * part / parts * align;
-    *end = blocks * (part + 1) / parts * align;
-    if (*begin > n) *begin = n;
-    if (*end > n) *end = n;
+/* Part `part` of `parts` of [0, n). */
+static void split_range(int64_t n, int part, int parts, int64_t *begin, int64_t *end) {
+    *begin = n * part / parts;
+    *end = n * (part + 1) / parts;
 }
 
 /* Element loads and stores; ACC is the accumulation type. The half loads are branch-free so the
