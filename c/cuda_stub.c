@@ -16,3 +16,8 @@ int msda_cuda_backward(const msda_problem *pr) {
     (void)pr;
     return msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_backward: this build has no CUDA kernels");
 }
+
+int64_t msda_cuda_workspace_size(const msda_problem *pr) {
+    (void)pr;
+    return 0;
+}

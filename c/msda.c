@@ -65,7 +65,52 @@ static int mul_ok(int64_t a, int64_t b, int64_t *out) {
     return 1;
 }
 
-static int check_problem(const char *fn, const msda_problem *pr) {
+/* Fills NP, uniform_points and point_start from level_points (NULL: P points a level). A table
+ * whose counts are all equal becomes the uniform form, so the fast kernels serve it. */
+static int set_points(const char *fn, msda_problem *pr, const int64_t *level_points) {
+    pr->uniform_points = 1;
+    if (level_points == NULL || pr->L < 1) {
+        if (!mul_ok(pr->L < 1 ? 0 : pr->L, pr->P, &pr->NP))
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: L * P = %lld * %lld overflows",
+                                  fn, (long long)pr->L, (long long)pr->P);
+        return MSDA_OK;
+    }
+    if (pr->L > MSDA_MAX_POINT_LEVELS)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: level_points names L = %lld levels, at most %d are supported",
+                              fn, (long long)pr->L, MSDA_MAX_POINT_LEVELS);
+    if (pr->P > INT32_MAX)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: P = %lld points in all must be < 2^31 with level_points", fn,
+                              (long long)pr->P);
+    int64_t total = 0, equal = 1;
+    for (int64_t l = 0; l < pr->L; l++) {
+        if (level_points[l] < 0 || level_points[l] > INT32_MAX)
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                                  "%s: level_points[%lld] = %lld must be >= 0", fn,
+                                  (long long)l, (long long)level_points[l]);
+        pr->point_start[l] = (int32_t)total;
+        total += level_points[l];
+        if (total > pr->P) break;
+        equal &= level_points[l] == level_points[0];
+    }
+    if (total != pr->P)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: level_points must sum to P = %lld (the points per query and "
+                              "head), its sum is %s%lld",
+                              fn, (long long)pr->P, total > pr->P ? "more than " : "",
+                              (long long)total);
+    pr->point_start[pr->L] = (int32_t)total;
+    pr->NP = pr->P;
+    if (equal && level_points[0] > 0) { /* the plain layout */
+        pr->P = level_points[0];
+        return MSDA_OK;
+    }
+    pr->uniform_points = 0;
+    return MSDA_OK;
+}
+
+static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_points) {
     const struct { const char *name; int64_t v; int64_t min; } sizes[] = {
         {"B", pr->B, 0}, {"S", pr->S, 0}, {"H", pr->H, 1}, {"C", pr->C, 1},
         {"L", pr->L, 1}, {"Q", pr->Q, 0}, {"P", pr->P, 1},
@@ -75,12 +120,19 @@ static int check_problem(const char *fn, const msda_problem *pr) {
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: size %s = %lld must be >= %lld",
                                   fn, sizes[i].name, (long long)sizes[i].v,
                                   (long long)sizes[i].min);
+    if (pr->flags & ~(MSDA_NEAREST | MSDA_SOFTMAX | MSDA_DETERMINISTIC))
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: flags = %d has bits outside MSDA_NEAREST | MSDA_SOFTMAX | "
+                              "MSDA_DETERMINISTIC",
+                              fn, pr->flags);
+    int st = set_points(fn, pr, level_points);
+    if (st != MSDA_OK) return st;
     /* Every element count (and the byte count of the largest) must fit an int64. */
     int64_t n_value, n_loc, n_out, t;
     if (!mul_ok(pr->B, pr->S, &t) || !mul_ok(t, pr->H, &t) || !mul_ok(t, pr->C, &n_value) ||
         !mul_ok(n_value, 8, &t) || !mul_ok(pr->B, pr->Q, &t) || !mul_ok(t, pr->H, &t) ||
-        !mul_ok(t, pr->C, &n_out) || !mul_ok(n_out, 8, &n_out) || !mul_ok(t, pr->L, &t) ||
-        !mul_ok(t, pr->P, &t) || !mul_ok(t, 2, &n_loc) || !mul_ok(n_loc, 8, &n_loc))
+        !mul_ok(t, pr->C, &n_out) || !mul_ok(n_out, 8, &n_out) || !mul_ok(t, pr->NP, &t) ||
+        !mul_ok(t, 2, &n_loc) || !mul_ok(n_loc, 8, &n_loc))
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
                               "%s: sizes B=%lld S=%lld H=%lld C=%lld L=%lld Q=%lld P=%lld "
                               "overflow a 64-bit element count",
@@ -135,6 +187,7 @@ static int check_alignment(const char *fn, const msda_problem *pr) {
         {"grad_value", pr->grad_value, acc},
         {"grad_sampling_locations", pr->grad_sampling_locations, elem},
         {"grad_attention_weights", pr->grad_attention_weights, elem},
+        {"workspace", pr->workspace, 16},
     };
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
         if ((uintptr_t)ptrs[i].p % (uintptr_t)ptrs[i].align != 0)
@@ -154,16 +207,21 @@ static int check_alignment(const char *fn, const msda_problem *pr) {
 // entry points
 
 int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q, int64_t P,
-                 int dtype, int index_dtype, int device, int num_threads, const void *value,
+                 int dtype, int index_dtype, int device, int num_threads,
+                 const int64_t *level_points, int flags, const void *value,
                  const void *spatial_shapes, const void *level_start_index,
                  const void *sampling_locations, const void *attention_weights, void *output,
                  void *stream) {
     static const char fn[] = "msda_forward";
     last_error[0] = '\0';
-    msda_problem pr = {B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads,
-                       value, spatial_shapes, level_start_index, sampling_locations,
-                       attention_weights, NULL, output, NULL, NULL, NULL, stream};
-    int st = check_problem(fn, &pr);
+    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
+                       .flags = flags, .dtype = dtype, .index_dtype = index_dtype,
+                       .device = device, .num_threads = num_threads, .value = value,
+                       .spatial_shapes = spatial_shapes, .level_start_index = level_start_index,
+                       .sampling_locations = sampling_locations,
+                       .attention_weights = attention_weights, .output = output,
+                       .stream = stream};
+    int st = check_problem(fn, &pr, level_points);
     if (st == MSDA_OK) st = check_alignment(fn, &pr);
     if (st != MSDA_OK) return st;
     if (B == 0 || Q == 0) return MSDA_OK; /* nothing to write */
@@ -173,22 +231,41 @@ int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t 
     REQUIRE_POINTER(fn, sampling_locations);
     REQUIRE_POINTER(fn, attention_weights);
     if (S > 0) REQUIRE_POINTER(fn, value);
-    return device < 0 ? msda_cpu_forward(&pr) : msda_cuda_forward(&pr);
+    if (device >= 0) return msda_cuda_forward(&pr);
+    return msda_needs_general(&pr) ? msda_cpu_forward_general(&pr) : msda_cpu_forward(&pr);
+}
+
+int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L,
+                                     int64_t Q, int64_t P, int dtype, int device, int flags) {
+    static const char fn[] = "msda_backward_workspace_size";
+    last_error[0] = '\0';
+    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
+                       .flags = flags, .dtype = dtype, .device = device};
+    if (check_problem(fn, &pr, NULL) != MSDA_OK) return -1;
+    if (device < 0 || !(flags & MSDA_DETERMINISTIC)) return 0;
+    return msda_cuda_workspace_size(&pr);
 }
 
 int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q, int64_t P,
-                  int dtype, int index_dtype, int device, int num_threads, const void *value,
+                  int dtype, int index_dtype, int device, int num_threads,
+                  const int64_t *level_points, int flags, const void *value,
                   const void *spatial_shapes, const void *level_start_index,
                   const void *sampling_locations, const void *attention_weights,
                   const void *grad_output, void *grad_value, void *grad_sampling_locations,
-                  void *grad_attention_weights, void *stream) {
+                  void *grad_attention_weights, void *workspace, int64_t workspace_bytes,
+                  void *stream) {
     static const char fn[] = "msda_backward";
     last_error[0] = '\0';
-    msda_problem pr = {B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads,
-                       value, spatial_shapes, level_start_index, sampling_locations,
-                       attention_weights, grad_output, NULL, grad_value,
-                       grad_sampling_locations, grad_attention_weights, stream};
-    int st = check_problem(fn, &pr);
+    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
+                       .flags = flags, .dtype = dtype, .index_dtype = index_dtype,
+                       .device = device, .num_threads = num_threads, .value = value,
+                       .spatial_shapes = spatial_shapes, .level_start_index = level_start_index,
+                       .sampling_locations = sampling_locations,
+                       .attention_weights = attention_weights, .grad_output = grad_output,
+                       .grad_value = grad_value, .grad_sampling_locations = grad_sampling_locations,
+                       .grad_attention_weights = grad_attention_weights, .workspace = workspace,
+                       .workspace_bytes = workspace_bytes, .stream = stream};
+    int st = check_problem(fn, &pr, level_points);
     if (st == MSDA_OK) st = check_alignment(fn, &pr);
     if (st != MSDA_OK) return st;
     if (!grad_value && !grad_sampling_locations && !grad_attention_weights) return MSDA_OK;
@@ -202,5 +279,15 @@ int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t
         REQUIRE_POINTER(fn, attention_weights);
         if (S > 0) REQUIRE_POINTER(fn, value);
     }
-    return device < 0 ? msda_cpu_backward(&pr) : msda_cuda_backward(&pr);
+    if (device >= 0 && (flags & MSDA_DETERMINISTIC) && grad_value) {
+        const int64_t need = msda_cuda_workspace_size(&pr);
+        if (need > 0 && (workspace == NULL || workspace_bytes < need))
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                                  "%s: a deterministic CUDA backward needs a workspace of %lld "
+                                  "bytes, got %s of %lld bytes",
+                                  fn, (long long)need, workspace ? "one" : "NULL",
+                                  (long long)workspace_bytes);
+    }
+    if (device >= 0) return msda_cuda_backward(&pr);
+    return msda_needs_general(&pr) ? msda_cpu_backward_general(&pr) : msda_cpu_backward(&pr);
 }

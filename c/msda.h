@@ -5,7 +5,7 @@
  *
  * Sizes (all int64_t):
  *   B batch, S value length (sum over levels of H_l*W_l), H heads, C channels per head,
- *   L levels, Q queries, P points per level.
+ *   L levels, Q queries, P points per level (or, with `level_points`, points in all: see below).
  * Layouts (contiguous, row-major, element type given by `dtype` unless said otherwise):
  *   value                (B, S, H, C)
  *   spatial_shapes       (L, 2) rows (H_l, W_l), element type given by `index_dtype`
@@ -18,6 +18,12 @@
  *                                       buffer; the caller casts), `dtype` otherwise
  *   grad_sampling_locations (B, Q, H, L, P, 2), grad_attention_weights (B, Q, H, L, P)
  *
+ * Per-level point counts (RT-DETRv2's num_points_list): `level_points` NULL means every level has
+ * P points. Otherwise it is a host array of L counts (each >= 0, L <= MSDA_MAX_POINT_LEVELS) whose
+ * sum is P; sampling_locations is then (B, Q, H, P, 2) and attention_weights (B, Q, H, P), the
+ * points of level 0 first, then those of level 1, and so on. With every count equal to P / L the
+ * memory layout is the NULL case's.
+ *
  * Math:
  *   out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
  *                                                                    y = loc_y*H_l - 0.5)
@@ -25,6 +31,19 @@
  *   flat index start_l + y*W_l + x falls outside [0, S)) contributes 0. This equals
  *   grid_sample(bilinear, zeros padding, align_corners=False) with grid = 2*loc - 1.
  *   Accumulation is f32 for f32/f16/bf16 and f64 for f64.
+ * Flags (a bitwise OR of msda_flags, 0 for the plain op above):
+ *   MSDA_NEAREST: instead of bilinear(), read the single pixel
+ *     (clamp(floor(loc_x*W_l + 0.5), 0, W_l-1), clamp(floor(loc_y*H_l + 0.5), 0, H_l-1)),
+ *     RT-DETRv2's "discrete" sampling (which clamps both coordinates to H_l-1; here each axis is
+ *     clamped to its own size). A non-finite location contributes nothing. The location
+ *     gradient is 0 (the sample is piecewise constant in the location).
+ *   MSDA_SOFTMAX: attention_weights holds logits; the op uses A = softmax over the L*P (or P)
+ *     points of each (b, q, h), computed inside the kernels in the accumulation type, and
+ *     grad_attention_weights is the gradient with respect to the logits.
+ *   MSDA_DETERMINISTIC (backward): grad_value is accumulated in a fixed order-independent way
+ *     (64-bit fixed point in `workspace`, whose integer sums are associative), so that repeated
+ *     runs give bitwise identical gradients. On CUDA it needs a workspace of
+ *     msda_backward_workspace_size() bytes; the CPU backward is deterministic whatever the flag.
  *
  * Device: `device` = -1 runs on the CPU (host pointers; `stream` ignored; `num_threads` <= 0 means
  * the OpenMP default). `device` >= 0 runs on that CUDA device (device pointers for every tensor,
@@ -34,9 +53,12 @@
  * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
  * point returns an msda_status; on failure msda_last_error() holds this thread's error text.
  * Backward writes every gradient it is given in full (grad_value is zeroed first, on the stream);
- * any gradient pointer may be NULL when it is not needed. Refused with MSDA_ERR_INVALID_ARGUMENT:
- * a size below its minimum (B, S, Q >= 0; H, C, L, P >= 1), byte counts past INT64_MAX, a pointer
- * not aligned to its element type, num_threads > 1024 on the CPU.
+ * any gradient pointer may be NULL when it is not needed. `workspace` is scratch device memory
+ * the caller allocates (NULL with workspace_bytes 0 when msda_backward_workspace_size() says 0).
+ * Refused with MSDA_ERR_INVALID_ARGUMENT: a size below its minimum (B, S, Q >= 0; H, C, L, P >= 1),
+ * byte counts past INT64_MAX, a pointer not aligned to its element type, num_threads > 1024 on
+ * the CPU, an unknown flag, a level_points table that is negative or does not sum to P, a
+ * deterministic CUDA backward whose workspace is NULL or smaller than it needs.
  */
 #ifndef MSDA_H
 #define MSDA_H
@@ -54,7 +76,10 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 1
+#define MSDA_ABI_VERSION 2
+
+/* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
+#define MSDA_MAX_POINT_LEVELS 64
 
 typedef enum {
     MSDA_OK = 0,
@@ -75,6 +100,12 @@ typedef enum {
     MSDA_I64 = 0,
     MSDA_I32 = 1,
 } msda_index_dtype;
+
+typedef enum {
+    MSDA_NEAREST = 1,       /* nearest-pixel sampling instead of bilinear                   */
+    MSDA_SOFTMAX = 2,       /* attention_weights are logits, softmaxed inside the op          */
+    MSDA_DETERMINISTIC = 4, /* backward: bitwise reproducible grad_value (needs a workspace)  */
+} msda_flags;
 
 /* ---- capabilities ------------------------------------------------------------------------- */
 
@@ -99,17 +130,25 @@ MSDA_API const char *msda_last_error(void);
 
 MSDA_API int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
                           int64_t P, int dtype, int index_dtype, int device, int num_threads,
-                          const void *value, const void *spatial_shapes,
-                          const void *level_start_index, const void *sampling_locations,
+                          const int64_t *level_points, int flags, const void *value,
+                          const void *spatial_shapes, const void *level_start_index, const void *sampling_locations,
                           const void *attention_weights, void *output, void *stream);
 
 MSDA_API int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
                            int64_t P, int dtype, int index_dtype, int device, int num_threads,
-                           const void *value, const void *spatial_shapes,
-                           const void *level_start_index, const void *sampling_locations,
+                           const int64_t *level_points, int flags, const void *value,
+                           const void *spatial_shapes, const void *level_start_index, const void *sampling_locations,
                            const void *attention_weights, const void *grad_output,
                            void *grad_value, void *grad_sampling_locations,
-                           void *grad_attention_weights, void *stream);
+                           void *grad_attention_weights, void *workspace,
+                           int64_t workspace_bytes, void *stream);
+
+/* Bytes of device workspace msda_backward needs for these sizes, dtype, device and flags (0 when
+ * it needs none: on the CPU, or without MSDA_DETERMINISTIC); -1 (with msda_last_error set) for
+ * sizes msda_backward would refuse. */
+MSDA_API int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C,
+                                              int64_t L, int64_t Q, int64_t P, int dtype,
+                                              int device, int flags);
 
 #ifdef __cplusplus
 }

@@ -12,9 +12,19 @@ extern "C" {
 #endif
 
 /* One call's arguments after the entry point has checked them. Sizes are >= 1 except B and Q,
- * which are >= 1 too by the time a kernel sees them (empty problems return early). */
+ * which are >= 1 too by the time a kernel sees them (empty problems return early).
+ *
+ * Points: with uniform_points = 1 every level has P points and NP = L * P (the layouts of
+ * c/msda.h without level_points; a level_points table whose counts are all equal is turned into
+ * this form by the entry point). With uniform_points = 0 level l owns the points
+ * [point_start[l], point_start[l+1]) of NP = P = point_start[L] in all (L <= MSDA_MAX_POINT_LEVELS,
+ * NP < 2^31); only the general kernels (msda_cpu_*_general, the generic CUDA kernels) see it. */
 typedef struct {
     int64_t B, S, H, C, L, Q, P;
+    int64_t NP;               /* points per (b, q, h) over all levels */
+    int uniform_points;       /* 1: P points in every level; 0: see point_start */
+    int flags;                /* msda_flags */
+    int32_t point_start[MSDA_MAX_POINT_LEVELS + 1];
     int dtype;       /* msda_dtype */
     int index_dtype; /* msda_index_dtype */
     int device;      /* -1 CPU, else CUDA ordinal */
@@ -29,6 +39,8 @@ typedef struct {
     void *grad_value;              /* backward; may be NULL; f32 for half dtypes */
     void *grad_sampling_locations; /* backward; may be NULL */
     void *grad_attention_weights;  /* backward; may be NULL */
+    void *workspace;               /* backward, MSDA_DETERMINISTIC on CUDA */
+    int64_t workspace_bytes;
     void *stream;
 } msda_problem;
 
@@ -42,13 +54,24 @@ int msda_set_error(int status, const char *fmt, ...)
 /* Bytes of one element of `dtype` (0 for an unknown code). */
 int64_t msda_dtype_size(int dtype);
 
-/* CPU kernels (c/cpu_kernels.c). */
+/* CPU kernels (c/cpu_kernels.c): the plain op (uniform points, no MSDA_NEAREST/MSDA_SOFTMAX;
+ * MSDA_DETERMINISTIC needs nothing on the CPU). */
 int msda_cpu_forward(const msda_problem *pr);
 int msda_cpu_backward(const msda_problem *pr);
+/* CPU kernels for every other problem (c/cpu_general.c): per-level point counts, nearest
+ * sampling, fused softmax. */
+int msda_cpu_forward_general(const msda_problem *pr);
+int msda_cpu_backward_general(const msda_problem *pr);
+/* 1 when the problem needs the general kernels. */
+static inline int msda_needs_general(const msda_problem *pr) {
+    return !pr->uniform_points || (pr->flags & (MSDA_NEAREST | MSDA_SOFTMAX));
+}
 
 /* CUDA launchers (kernels/), or in a CPU-only build the stubs of c/cuda_stub.c. */
 int msda_cuda_forward(const msda_problem *pr);
 int msda_cuda_backward(const msda_problem *pr);
+/* Workspace bytes msda_cuda_backward needs for a checked problem (0 if none). */
+int64_t msda_cuda_workspace_size(const msda_problem *pr);
 int msda_cuda_built(void);
 int msda_cuda_devices(void);
 const char *msda_cuda_arch_list(void);

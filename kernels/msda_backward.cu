@@ -275,6 +275,9 @@ extern "C" int msda_cuda_backward(const msda_problem *pr) {
     MSDA_CUDA_CHECK(fn, guard.select(pr->device));
     cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
     cudaStream_t stream = (cudaStream_t)pr->stream;
+    if (msda_needs_general(pr) || (pr->flags & MSDA_DETERMINISTIC))
+        return msda_set_error(MSDA_ERR_UNSUPPORTED,
+                              "%s: level_points and flags are not implemented on CUDA yet", fn);
     if (pr->grad_value) {
         const int64_t acc_size = pr->dtype == MSDA_F64 ? 8 : 4;
         const size_t bytes = (size_t)(pr->B * pr->S * pr->H * pr->C * acc_size);
@@ -290,4 +293,9 @@ extern "C" int msda_cuda_backward(const msda_problem *pr) {
     }
     MSDA_CUDA_CHECK(fn, cudaGetLastError());
     return MSDA_OK;
+}
+
+extern "C" int64_t msda_cuda_workspace_size(const msda_problem *pr) {
+    /* 64-bit fixed-point grad_value plus a 256-byte header (the scale). */
+    return pr->B * pr->S * pr->H * pr->C * 8 + 256;
 }

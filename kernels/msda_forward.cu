@@ -148,6 +148,9 @@ extern "C" int msda_cuda_forward(const msda_problem *pr) {
     MSDA_CUDA_CHECK(fn, guard.select(pr->device));
     cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
     cudaStream_t stream = (cudaStream_t)pr->stream;
+    if (msda_needs_general(pr) || (pr->flags & MSDA_DETERMINISTIC))
+        return msda_set_error(MSDA_ERR_UNSUPPORTED,
+                              "%s: level_points and flags are not implemented on CUDA yet", fn);
     switch (pr->dtype) {
     case MSDA_F32: MSDA_CUDA_CHECK(fn, launch<float>(pr, stream)); break;
     case MSDA_F64: MSDA_CUDA_CHECK(fn, launch<double>(pr, stream)); break;

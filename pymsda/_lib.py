@@ -7,7 +7,7 @@ raises ImportError that names every path tried and why it was refused.
 import ctypes
 import os
 
-ABI_VERSION = 1  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 2  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)
@@ -20,6 +20,8 @@ ERR_INTERNAL = 4
 # msda_dtype and msda_index_dtype codes (c/msda.h)
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16 = 0, 1, 2, 3
 INDEX_I64, INDEX_I32 = 0, 1
+# msda_flags (c/msda.h)
+FLAG_NEAREST, FLAG_SOFTMAX, FLAG_DETERMINISTIC = 1, 2, 4
 
 _i64, _int, _ptr, _str = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
 _SIZES = [_i64] * 7  # B, S, H, C, L, Q, P
@@ -41,17 +43,23 @@ _SIGNATURES = {
     # const char *msda_last_error(void)
     "msda_last_error": (_str, []),
     # int msda_forward(int64 B, S, H, C, L, Q, P, int dtype, int index_dtype, int device,
-    #                  int num_threads, const void *value, const void *spatial_shapes,
+    #                  int num_threads, const int64 *level_points, int flags,
+    #                  const void *value, const void *spatial_shapes,
     #                  const void *level_start_index, const void *sampling_locations,
     #                  const void *attention_weights, void *output, void *stream)
-    "msda_forward": (_int, _SIZES + [_int] * 4 + [_ptr] * 7),
+    "msda_forward": (_int, _SIZES + [_int] * 4 + [_ptr, _int] + [_ptr] * 7),
     # int msda_backward(int64 B, S, H, C, L, Q, P, int dtype, int index_dtype, int device,
-    #                   int num_threads, const void *value, const void *spatial_shapes,
+    #                   int num_threads, const int64 *level_points, int flags,
+    #                   const void *value, const void *spatial_shapes,
     #                   const void *level_start_index, const void *sampling_locations,
     #                   const void *attention_weights, const void *grad_output,
     #                   void *grad_value, void *grad_sampling_locations,
-    #                   void *grad_attention_weights, void *stream)
-    "msda_backward": (_int, _SIZES + [_int] * 4 + [_ptr] * 10),
+    #                   void *grad_attention_weights, void *workspace, int64 workspace_bytes,
+    #                   void *stream)
+    "msda_backward": (_int, _SIZES + [_int] * 4 + [_ptr, _int] + [_ptr] * 10 + [_i64, _ptr]),
+    # int64 msda_backward_workspace_size(int64 B, S, H, C, L, Q, P, int dtype, int device,
+    #                                    int flags)
+    "msda_backward_workspace_size": (_i64, _SIZES + [_int] * 3),
 }
 
 

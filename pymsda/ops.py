@@ -1,4 +1,5 @@
 """The MSDA operator: argument checks, the calls into the C library, and autograd."""
+import ctypes
 import os
 
 import torch
@@ -241,31 +242,68 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
     return _Levels(shapes, starts, None)
 
 
+_level_points_cache = {}  # num_points_list as a tuple -> its ctypes int64 array (kept alive)
+
+
+def _level_points(num_points_list, L):
+    """num_points_list checked against L, as (total points, ctypes int64 array)."""
+    key = None
+    try:
+        key = tuple(num_points_list)
+        hit = _level_points_cache.get(key)
+        if hit is not None and len(key) == L:
+            return hit
+        counts = [int(n) for n in key]
+        ok = all(float(n).is_integer() for n in key)
+    except (TypeError, ValueError):
+        raise TypeError(f"num_points_list must be a list of L integers, got {num_points_list!r}") \
+            from None
+    if not ok:
+        raise TypeError(f"num_points_list must hold integers, got {num_points_list!r}")
+    if len(counts) != L:
+        raise ValueError(f"num_points_list has {len(counts)} entries but spatial_shapes names "
+                         f"L = {L} levels: {num_points_list!r}")
+    if any(n < 0 for n in counts) or sum(counts) < 1:
+        raise ValueError(f"num_points_list entries must be >= 0 with a positive sum, got "
+                         f"{num_points_list!r}")
+    hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
+    if len(_level_points_cache) > 256:
+        _level_points_cache.clear()
+    _level_points_cache[key] = hit
+    return hit
+
+
 def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             validate=False):
+             validate=False, num_points_list=None):
     """Checks every argument; returns the tensors in the form the C library takes. validate:
-    also read shape tables that live on the GPU and check them (a device synchronisation)."""
+    also read shape tables that live on the GPU and check them (a device synchronisation).
+    With num_points_list, sampling_locations is (B, Q, H, sum(num_points_list), 2) and
+    attention_weights (B, Q, H, sum(num_points_list)); the returned P is that sum and lp the
+    ctypes table of counts (None without num_points_list)."""
+    per_level = num_points_list is None
+    loc_shape = "(B, Q, H, L, P, 2)" if per_level else "(B, Q, H, sum(num_points_list), 2)"
     _check_float_tensor("value", value, 4)
-    _check_float_tensor("sampling_locations", sampling_locations, 6)
-    _check_float_tensor("attention_weights", attention_weights, 5)
+    _check_float_tensor("sampling_locations", sampling_locations, 6 if per_level else 5)
+    _check_float_tensor("attention_weights", attention_weights, 5 if per_level else 4)
     B, S, H, C = value.shape
-    Bl, Q, Hl, L, P, two = sampling_locations.shape
+    if per_level:
+        Bl, Q, Hl, L, P, two = sampling_locations.shape
+    else:
+        Bl, Q, Hl, P, two = sampling_locations.shape
+        L = None
     if two != 2:
-        raise ValueError("sampling_locations must have shape (B, Q, H, L, P, 2), got "
+        raise ValueError(f"sampling_locations must have shape {loc_shape}, got "
                          f"{_describe(sampling_locations)}")
     for dim, name, expected, got in (("B", "batch", B, Bl), ("H", "heads", H, Hl)):
         if got != expected:
             raise ValueError(
                 f"sampling_locations has {name} {dim} = {got} but value has {dim} = {expected}: "
                 f"value {_describe(value)}, sampling_locations {_describe(sampling_locations)}")
-    if tuple(attention_weights.shape) != (B, Q, H, L, P):
+    expected_attn = sampling_locations.shape[:-1]
+    if attention_weights.shape != expected_attn:
         raise ValueError(
-            f"attention_weights must have shape (B, Q, H, L, P) = {(B, Q, H, L, P)} to match "
-            f"value and sampling_locations, got {_describe(attention_weights)}")
-    if C < 1 or H < 1 or L < 1 or P < 1:
-        raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
-                         "(sampling_locations)")
-    _check_sizes(B, S, H, C, L, Q, P)
+            f"attention_weights must have shape {loc_shape[:-4]}) = {tuple(expected_attn)} to "
+            f"match value and sampling_locations, got {_describe(attention_weights)}")
     device = value.device
     for name, t in (("sampling_locations", sampling_locations),
                     ("attention_weights", attention_weights)):
@@ -274,9 +312,22 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
                              "must be on one device")
 
     levels = _prepare_levels(spatial_shapes, level_start_index, S, device, validate)
-    if levels.shapes.shape[0] != L:
-        raise ValueError(f"spatial_shapes has {levels.shapes.shape[0]} levels but "
-                         f"sampling_locations has L = {L}: {_describe(sampling_locations)}")
+    lp = None
+    if per_level:
+        if levels.shapes.shape[0] != L:
+            raise ValueError(f"spatial_shapes has {levels.shapes.shape[0]} levels but "
+                             f"sampling_locations has L = {L}: {_describe(sampling_locations)}")
+    else:
+        L = levels.shapes.shape[0]
+        total, lp = _level_points(num_points_list, L)
+        if total != P:
+            raise ValueError(f"sampling_locations has {P} points per query and head but "
+                             f"num_points_list {list(num_points_list)} sums to {total}: "
+                             f"{_describe(sampling_locations)}")
+    if C < 1 or H < 1 or L < 1 or P < 1:
+        raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
+                         "(sampling_locations)")
+    _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
     # Mixed float dtypes (autocast) follow value's dtype.
     if sampling_locations.dtype != value.dtype:
@@ -284,7 +335,7 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     if attention_weights.dtype != value.dtype:
         attention_weights = attention_weights.to(value.dtype)
     return (_aligned_contiguous(value), levels, _aligned_contiguous(sampling_locations),
-            _aligned_contiguous(attention_weights), (B, S, H, C, L, Q, P))
+            _aligned_contiguous(attention_weights), (B, S, H, C, L, Q, P), lp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,18 +355,19 @@ def _check(status):
         raise exc("pymsda: " + _lib.error_text(status))
 
 
-def _forward(value, levels, loc, attn, sizes):
+def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     out = value.new_empty((B, Q, H * C))
     device, stream, threads = _device_args(value)
     _check(lib.msda_forward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(), loc.data_ptr(),
+        lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(), loc.data_ptr(),
         attn.data_ptr(), out.data_ptr(), stream))
     return out
 
 
-def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn):
+def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
+              lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     grad_out = grad_out.contiguous()
     if grad_out.dtype != value.dtype:
@@ -326,13 +378,22 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
     grad_loc = torch.empty_like(loc) if need_loc else None
     grad_attn = torch.empty_like(attn) if need_attn else None
     device, stream, threads = _device_args(value)
+    workspace, workspace_bytes = None, 0
+    if flags & _lib.FLAG_DETERMINISTIC and need_value and device >= 0:
+        workspace_bytes = lib.msda_backward_workspace_size(
+            B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags)
+        if workspace_bytes < 0:
+            _check(_lib.ERR_INVALID_ARGUMENT)
+        if workspace_bytes > 0:
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
     _check(lib.msda_backward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(), loc.data_ptr(),
-        attn.data_ptr(), grad_out.data_ptr(),
+        lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(),
+        loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
         grad_value.data_ptr() if need_value else None,
         grad_loc.data_ptr() if need_loc else None,
-        grad_attn.data_ptr() if need_attn else None, stream))
+        grad_attn.data_ptr() if need_attn else None,
+        workspace.data_ptr() if workspace is not None else None, workspace_bytes, stream))
     if grad_value is not None and grad_value.dtype != value.dtype:
         grad_value = grad_value.to(value.dtype)
     return grad_value, grad_loc, grad_attn
@@ -340,10 +401,10 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
 
 class _MSDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, value, sampling_locations, attention_weights, levels, sizes):
+    def forward(ctx, value, sampling_locations, attention_weights, levels, sizes, lp, flags):
         ctx.save_for_backward(value, sampling_locations, attention_weights)
-        ctx.levels, ctx.sizes = levels, sizes
-        return _forward(value, levels, sampling_locations, attention_weights, sizes)
+        ctx.levels, ctx.sizes, ctx.lp, ctx.flags = levels, sizes, lp, flags
+        return _forward(value, levels, sampling_locations, attention_weights, sizes, lp, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -351,8 +412,8 @@ class _MSDA(torch.autograd.Function):
         value, loc, attn = ctx.saved_tensors
         need_value, need_loc, need_attn = ctx.needs_input_grad[:3]
         grads = _backward(grad_out, value, ctx.levels, loc, attn, ctx.sizes,
-                          need_value, need_loc, need_attn)
-        return grads + (None, None)
+                          need_value, need_loc, need_attn, ctx.lp, ctx.flags)
+        return grads + (None,) * 4
 
 
 def _library_serves(device):
@@ -366,8 +427,26 @@ _has_cuda_kernels = bool(lib.msda_has_cuda())
 # public API
 
 
+_SAMPLING_FLAGS = {"bilinear": 0, "nearest": _lib.FLAG_NEAREST}
+
+
+def _flags(sampling, softmax, deterministic):
+    try:
+        flags = _SAMPLING_FLAGS[sampling]
+    except (KeyError, TypeError):
+        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}") from None
+    if softmax:
+        flags |= _lib.FLAG_SOFTMAX
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic:
+        flags |= _lib.FLAG_DETERMINISTIC
+    return flags
+
+
 def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights, im2col_step=None, *, validate=False):
+                   attention_weights, im2col_step=None, *, num_points_list=None,
+                   sampling="bilinear", softmax=False, deterministic=None, validate=False):
     """Multi-Scale Deformable Attention (Deformable DETR's MSDeformAttnFunction).
 
     Args:
@@ -380,8 +459,21 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         sampling_locations: (B, Q, H, L, P, 2), last dim (x, y) normalised to [0, 1]: x = 0 is
             the left edge of the level, x = 1 its right edge (pixel centres at (j + 0.5) / W).
             Points outside [0, 1] are allowed; neighbours outside the map contribute 0.
-        attention_weights: (B, Q, H, L, P), already normalised by the caller (softmax).
+        attention_weights: (B, Q, H, L, P), already normalised by the caller (softmax), or
+            logits with softmax=True.
         im2col_step: accepted for compatibility and ignored: any batch size works.
+        num_points_list: per-level point counts (RT-DETRv2), a list of L ints >= 0. Then
+            sampling_locations is (B, Q, H, N, 2) and attention_weights (B, Q, H, N) with
+            N = sum(num_points_list), level 0's points first.
+        sampling: "bilinear" (default) or "nearest": read the single pixel
+            (clamp(floor(x * W_l + 0.5), 0, W_l - 1), clamp(floor(y * H_l + 0.5), 0, H_l - 1)),
+            RT-DETRv2's "discrete" method; the location gradient is then 0.
+        softmax: attention_weights are logits; the op applies the softmax over all points of
+            each (query, head) itself (forward and backward), saving a separate kernel.
+        deterministic: bitwise reproducible gradients (grad_value accumulated in 64-bit fixed
+            point on CUDA, with a workspace of 8 bytes per value element; the CPU backward is
+            deterministic anyway). None (default) follows
+            torch.are_deterministic_algorithms_enabled().
         validate: also check spatial_shapes and level_start_index when they live on the GPU
             (sizes >= 1, sum of H*W == S, starts consistent), which costs a device
             synchronisation (so not inside CUDA graph capture); a bad table raises ValueError.
@@ -414,17 +506,23 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         shape table, each naming the argument; ValueError or RuntimeError from the library
         (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
-    value, levels, loc, attn, sizes = _prepare(
+    flags = _flags(sampling, softmax, deterministic)
+    value, levels, loc, attn, sizes, lp = _prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        _validate_requested(validate))
+        _validate_requested(validate), num_points_list)
     if value.device.type == "meta":
         return _MetaMSDA.apply(value, loc, attn, sizes)
     if not _library_serves(value.device):
         from .reference import ms_deform_attn_pytorch
+        if lp is not None or flags & (_lib.FLAG_NEAREST | _lib.FLAG_SOFTMAX):
+            raise NotImplementedError(
+                f"pymsda: this build of the library has no CUDA kernels, and the pure-PyTorch "
+                f"fallback on {value.device} supports neither num_points_list, "
+                f"sampling='nearest' nor softmax=True (rebuild with nvcc on the PATH)")
         return ms_deform_attn_pytorch(value, levels.shapes, loc, attn)
     if torch.is_grad_enabled() and (value.requires_grad or loc.requires_grad or attn.requires_grad):
-        return _MSDA.apply(value, loc, attn, levels, sizes)
-    return _forward(value, levels, loc, attn, sizes)  # no graph to record: skip autograd
+        return _MSDA.apply(value, loc, attn, levels, sizes, lp, flags)
+    return _forward(value, levels, loc, attn, sizes, lp, flags)  # no graph: skip autograd
 
 
 class MSDeformAttnFunction:

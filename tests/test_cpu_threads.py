@@ -163,11 +163,12 @@ def _run_kernels(inputs, grad_output):
     code = {torch.float32: _lib.DTYPE_F32, torch.float64: _lib.DTYPE_F64}[value.dtype]
     out = torch.empty(B, Q, H * C, dtype=value.dtype)
     grads = [torch.empty_like(value), torch.empty_like(loc), torch.empty_like(attn)]
-    common = (B, S, H, C, L, Q, P, code, _lib.INDEX_I64, device, threads, value.data_ptr(),
+    common = (B, S, H, C, L, Q, P, code, _lib.INDEX_I64, device, threads, None, 0, value.data_ptr(),
               shapes.data_ptr(), starts.data_ptr(), loc.data_ptr(), attn.data_ptr())
     assert _lib.lib.msda_forward(*common, out.data_ptr(), stream) == _lib.OK
     assert _lib.lib.msda_backward(*common, grad_output.contiguous().data_ptr(),
-                                  *(g.data_ptr() for g in grads), stream) == _lib.OK
+                                  *(g.data_ptr() for g in grads), None, 0,
+                                  stream) == _lib.OK
     return [out] + grads
 
 

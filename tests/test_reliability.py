@@ -216,7 +216,8 @@ def _call_forward(sizes, dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64, num_t
     buffer = torch.zeros(64, dtype=torch.float64)
     p = buffer.data_ptr()
     ptrs = pointers or [p] * 6
-    status = _lib.lib.msda_forward(*sizes, dtype, index_dtype, -1, num_threads, *ptrs, None)
+    status = _lib.lib.msda_forward(*sizes, dtype, index_dtype, -1, num_threads, None, 0, *ptrs,
+                                   None)
     return status, _lib.lib.msda_last_error().decode()
 
 
@@ -515,14 +516,14 @@ def test_lying_shapes_stay_in_bounds_cpu_c_level(generator, index, table):
     out = torch.full((1, 40, H, C), float("nan"))
     grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
     code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
-    args = (1, S, H, C, L, 40, P, _lib.DTYPE_F32, code, -1, 2)
+    args = (1, S, H, C, L, 40, P, _lib.DTYPE_F32, code, -1, 2, None, 0)
     assert _lib.lib.msda_forward(*args, value.data_ptr(), shapes.data_ptr(), starts.data_ptr(),
                                  locations.data_ptr(), weights.data_ptr(), out.data_ptr(),
                                  None) == _lib.OK
     assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes.data_ptr(), starts.data_ptr(),
                                   locations.data_ptr(), weights.data_ptr(),
                                   torch.ones_like(out).data_ptr(),
-                                  *(g.data_ptr() for g in grads), None) == _lib.OK
+                                  *(g.data_ptr() for g in grads), None, 0, None) == _lib.OK
     bound = weights.abs().sum((-1, -2)) * value.abs().max()
     assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()
     for grad in grads:

@@ -77,7 +77,7 @@ def _fail(lib, channels, dtype_code):
     buffer = torch.zeros(16, dtype=torch.float64)
     p = buffer.data_ptr()
     return lib.msda_forward(1, 4, 1, channels, 1, 1, 1, dtype_code, _lib.INDEX_I64, -1, 1,
-                            p, p, p, p, p, p, None)
+                            None, 0, p, p, p, p, p, p, None)
 
 
 def test_last_error_text_is_per_thread():

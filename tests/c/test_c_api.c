@@ -50,8 +50,8 @@ static int call_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, i
                         int64_t P, int dtype, int index_dtype, int device, const void *value,
                         const void *shapes, const void *starts, const void *loc,
                         const void *attn, void *out) {
-    return msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, 1, value, shapes,
-                        starts, loc, attn, out, NULL);
+    return msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, 1, NULL, 0, value,
+                        shapes, starts, loc, attn, out, NULL);
 }
 
 static void test_argument_checks(void) {
@@ -211,8 +211,8 @@ static void test_cpu_forward_backward(void) {
 
     /* Backward: compare the location gradient with central differences of the forward, and
      * the weight gradient with its definition (the sample), on a few entries. */
-    st = msda_backward(B, S, H, C, L, Q, P, MSDA_F64, MSDA_I64, -1, 2, v, shapes, starts, loc,
-                       attn, gout, gv, gloc, gattn, NULL);
+    st = msda_backward(B, S, H, C, L, Q, P, MSDA_F64, MSDA_I64, -1, 2, NULL, 0, v, shapes, starts,
+                       loc, attn, gout, gv, gloc, gattn, NULL, 0, NULL);
     CHECK(st == MSDA_OK, "backward: %s", msda_last_error());
     double worst = 0;
     for (int i = 0; i < 12; i++) {
@@ -255,8 +255,8 @@ static void test_lying_shapes_stay_in_bounds(void) {
     int finite = 1;
     for (int i = 0; i < Q; i++) finite &= isfinite(out[i]) && out[i] >= 0 && out[i] <= L * P;
     CHECK(st == MSDA_OK && finite, "lying shapes forward: %d %s", st, msda_last_error());
-    st = msda_backward(1, S, 1, 1, L, Q, P, MSDA_F32, MSDA_I64, -1, 1, v, shapes, starts, loc,
-                       attn, gout, gv, gloc, gattn, NULL);
+    st = msda_backward(1, S, 1, 1, L, Q, P, MSDA_F32, MSDA_I64, -1, 1, NULL, 0, v, shapes, starts,
+                       loc, attn, gout, gv, gloc, gattn, NULL, 0, NULL);
     CHECK(st == MSDA_OK, "lying shapes backward: %d %s", st, msda_last_error());
     free(v), free(loc), free(attn), free(out), free(gout), free(gv), free(gloc), free(gattn);
 }

@@ -158,10 +158,10 @@ static int fuzz_extreme(reader *r) {
         return 0; /* would need buffers of the claimed (huge) sizes */
     double buf[16] = {0};
     int st = backward ? msda_backward(s[0], s[1], s[2], s[3], s[4], s[5], s[6], dtype,
-                                      index_dtype, -1, 1, buf, buf, buf, buf, buf, buf, buf, buf,
-                                      buf, NULL)
+                                      index_dtype, -1, 1, NULL, 0, buf, buf, buf, buf, buf, buf,
+                                      buf, buf, buf, NULL, 0, NULL)
                       : msda_forward(s[0], s[1], s[2], s[3], s[4], s[5], s[6], dtype, index_dtype,
-                                     -1, 1, buf, buf, buf, buf, buf, buf, NULL);
+                                     -1, 1, NULL, 0, buf, buf, buf, buf, buf, buf, NULL);
     check_status(st, 0);
     return 0;
 }
@@ -306,12 +306,12 @@ static int fuzz_small(reader *r, int mode) {
     }
     int st;
     if (run_backward)
-        st = msda_backward(B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads, args[0],
-                           args[1], args[2], args[3], args[4], args[5], (void *)args[7],
-                           (void *)args[8], (void *)args[9], NULL);
+        st = msda_backward(B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads, NULL, 0,
+                           args[0], args[1], args[2], args[3], args[4], args[5], (void *)args[7],
+                           (void *)args[8], (void *)args[9], NULL, 0, NULL);
     else
-        st = msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads, args[0],
-                          args[1], args[2], args[3], args[4], (void *)args[6], NULL);
+        st = msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads, NULL, 0,
+                          args[0], args[1], args[2], args[3], args[4], (void *)args[6], NULL);
     check_status(st, expect_ok);
 
     if (st == MSDA_OK && !run_backward && finite_weights && !sabotaged) {
