@@ -112,6 +112,115 @@ __device__ __forceinline__ bool sample_point(Acc loc_x, Acc loc_y, int64_t H_l, 
     return any;
 }
 
+/* nearest-pixel sampling (MSDA_NEAREST): the single pixel (clamp(floor(x*W + 0.5), 0, W-1),
+ * clamp(floor(y*H + 0.5), 0, H-1)) as a Point whose corner 0 carries weight 1 (fx = fy = 0).
+ * False for a non-finite location or a pixel outside [0, S). */
+template <typename Acc>
+__device__ __forceinline__ bool nearest_point(Acc loc_x, Acc loc_y, int64_t H_l, int64_t W_l,
+                                              int64_t start, int64_t S, int64_t H, int64_t C,
+                                              int64_t b, int64_t h, Point<Acc> &pt) {
+    if (H_l <= 0 || W_l <= 0 || H_l > ((int64_t)1 << 40) || W_l > ((int64_t)1 << 40)) return false;
+    if (!(isfinite(loc_x) && isfinite(loc_y))) return false;
+    const Acc Wf = (Acc)W_l, Hf = (Acc)H_l;
+    /* clamped as floats first, so a huge coordinate never overflows the integer conversion */
+    const Acc xf = fmin(fmax(floor(loc_x * Wf + (Acc)0.5), (Acc)0), Wf - (Acc)1);
+    const Acc yf = fmin(fmax(floor(loc_y * Hf + (Acc)0.5), (Acc)0), Hf - (Acc)1);
+    const int64_t idx = pixel_index((int64_t)yf, (int64_t)xf, H_l, W_l, start, S);
+    if (idx < 0) return false;
+    pt.fx = pt.fy = (Acc)0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) pt.w[k] = (Acc)(k == 0), pt.inside[k] = k == 0, pt.off[k] = 0;
+    pt.off[0] = ((b * S + idx) * H + h) * C;
+    return true;
+}
+
+/* The point of sampling_locations index i (of level l) for the generic kernels, bilinear or
+ * nearest as pr.flags says. */
+template <typename Acc, typename T>
+__device__ __forceinline__ bool generic_point(const msda_problem &pr, const T *loc, int64_t i,
+                                              int64_t H_l, int64_t W_l, int64_t start, int64_t b,
+                                              int64_t h, Point<Acc> &pt) {
+    const Acc x = to_acc(loc[2 * i]), y = to_acc(loc[2 * i + 1]);
+    if (pr.flags & MSDA_NEAREST) return nearest_point<Acc>(x, y, H_l, W_l, start, pr.S, pr.H, pr.C, b, h, pt);
+    return sample_point<Acc>(x, y, H_l, W_l, start, pr.S, pr.H, pr.C, b, h, pt);
+}
+
+/* First point of level l (l = L gives the total) in the (b, q, h) item's points. */
+__device__ __forceinline__ int64_t level_point_begin(const msda_problem &pr, int64_t l) {
+    return pr.uniform_points ? l * pr.P : (int64_t)pr.point_start[l];
+}
+
+template <typename Acc> __device__ __forceinline__ Acc warp_max(Acc v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* MSDA_SOFTMAX, generic kernels: the whole warp computes the maximum and 1 / sum(exp(z - max))
+ * of the n logits z of one item (lane-strided, then shuffles: every lane gets the same result
+ * in the same order). */
+template <typename Acc, typename T>
+__device__ __forceinline__ void softmax_stats(const T *z, int64_t n, int lane, Acc &mx, Acc &inv) {
+    Acc m = -INFINITY;
+    for (int64_t j = lane; j < n; j += 32) m = fmax(m, to_acc(z[j]));
+    m = warp_max(m);
+    Acc s = 0;
+    for (int64_t j = lane; j < n; j += 32) s += exp(to_acc(z[j]) - m);
+    s = warp_sum(s);
+    mx = m;
+    inv = (Acc)1 / s;
+}
+
+/* The attention weight of a point: the given weight, or its softmax probability. */
+template <typename Acc>
+__device__ __forceinline__ Acc attention(const msda_problem &pr, Acc z, Acc mx, Acc inv) {
+    return (pr.flags & MSDA_SOFTMAX) ? exp(z - mx) * inv : z;
+}
+
+// ---------------------------------------------------------------------------------------------
+// deterministic grad_value (MSDA_DETERMINISTIC): 64-bit fixed point
+//
+// workspace = DetHeader, padded to 256 bytes, then one int64 per grad_value element. A scan
+// kernel finds max|grad_output| and max|A| (1 with softmax); with N = Q * NP samples at most
+// touching one pixel (each once, with a bilinear weight <= 1), every pixel's sum is bounded by
+// bound = N * max|A| * max|g|, so contributions scaled by 2^(62 - e), bound < 2^e, and rounded
+// to integers never overflow an int64. Integer addition is associative: the atomics' order no
+// longer matters. A convert kernel writes grad_value = acc / scale. A non-finite maximum makes
+// grad_value NaN everywhere.
+
+struct DetHeader {
+    unsigned long long max_g; /* bits of the largest |grad_output| as a double (>= 0) */
+    unsigned long long max_a; /* same for |attention weight| */
+};
+#define MSDA_DET_HEADER_BYTES 256
+
+__device__ __forceinline__ double det_scale(const msda_problem &pr, const DetHeader *hd) {
+    const double bound = __longlong_as_double((long long)hd->max_g) *
+                         __longlong_as_double((long long)hd->max_a) * (double)pr.Q *
+                         (double)pr.NP;
+    if (!(bound > 0.0) || !isfinite(bound)) return isfinite(bound) ? 1.0 : 0.0; /* 0: NaN out */
+    int e;
+    frexp(bound, &e); /* bound < 2^e */
+    /* f32 accumulation scales in float: at most 2^100, so the scale is a float too (sums of
+     * contributions below 2^-101 are lost, far below f32 resolution of anything larger) */
+    return ldexp(1.0, pr.dtype == MSDA_F64 || 62 - e <= 100 ? 62 - e : 100);
+}
+
+/* contrib * scale is exact (scale is a power of two), so rounding it is the only error. */
+__device__ __forceinline__ void det_add(long long *acc, float contrib, float scale) {
+    const long long v = llrintf(contrib * scale);
+    if (v != 0) atomicAdd((unsigned long long *)acc, (unsigned long long)v);
+}
+__device__ __forceinline__ void det_add(long long *acc, double contrib, double scale) {
+    const long long v = llrint(contrib * scale);
+    if (v != 0) atomicAdd((unsigned long long *)acc, (unsigned long long)v);
+}
+
 // ---------------------------------------------------------------------------------------------
 // host side: errors and the device guard
 

@@ -8,8 +8,10 @@
  *   shared memory, one thread per point (level table, 32-bit index math, corner weights
  *   premultiplied by A), then every group gathers. Consecutive blocks hold consecutive
  *   queries, which sample nearby pixels (L2 reuse).
- *   Generic path (f64, any other C, unaligned pointers): one warp per (b, q, h), lane j owns
- *   channels j, j+32, ...; every lane computes the geometry itself.
+ *   Generic path (f64, any other C, unaligned pointers, and every problem with per-level point
+ *   counts, nearest sampling or fused softmax): one warp per (b, q, h), lane j owns channels
+ *   j, j+32, ...; every lane computes the geometry itself; with softmax the warp first finds the
+ *   item's logit maximum and 1 / sum(exp) (shuffles, a fixed order).
  * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64; corners outside the level or outside
  *   [0, S) contribute 0 (locate / pixel_index in common.cuh).
  * Tried (H100, torch 2.11, CUDA events; "realistic" inputs unless said; f32 / bf16):
@@ -37,13 +39,15 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     const T *loc = (const T *)pr.sampling_locations;
     const T *attn = (const T *)pr.attention_weights;
     T *out = (T *)pr.output;
-    const int64_t S = pr.S, H = pr.H, C = pr.C, L = pr.L, Q = pr.Q, P = pr.P;
+    const int64_t H = pr.H, C = pr.C, L = pr.L, Q = pr.Q, NP = pr.NP;
     const int lane = threadIdx.x & 31;
     const int64_t n_items = pr.B * Q * H;
     const int64_t stride = ((int64_t)gridDim.x * blockDim.x) >> 5;
     for (int64_t qh = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; qh < n_items;
          qh += stride) {
         const int64_t b = qh / (Q * H), h = qh % H;
+        Acc mx = 0, inv = 1;
+        if (pr.flags & MSDA_SOFTMAX) softmax_stats<Acc>(attn + qh * NP, NP, lane, mx, inv);
         for (int64_t c0 = 0; c0 < C; c0 += 32) {
             const int64_t c = c0 + lane;
             Acc acc = 0;
@@ -51,13 +55,12 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
                 const int64_t H_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
                 const int64_t W_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
                 const int64_t start = load_index(pr.level_start_index, pr.index_dtype, l);
-                for (int64_t p = 0; p < P; p++) {
-                    const int64_t i = (qh * L + l) * P + p;
+                const int64_t p_end = level_point_begin(pr, l + 1);
+                for (int64_t p = level_point_begin(pr, l); p < p_end; p++) {
+                    const int64_t i = qh * NP + p;
                     Point<Acc> pt;
-                    if (!sample_point<Acc>(to_acc(loc[2 * i]), to_acc(loc[2 * i + 1]), H_l, W_l,
-                                           start, S, H, C, b, h, pt))
-                        continue;
-                    const Acc a = to_acc(attn[i]);
+                    if (!generic_point<Acc>(pr, loc, i, H_l, W_l, start, b, h, pt)) continue;
+                    const Acc a = attention<Acc>(pr, to_acc(attn[i]), mx, inv);
                     if (c < C) {
 #pragma unroll
                         for (int k = 0; k < 4; k++)
@@ -125,7 +128,7 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->output};
-        switch (fast_group(pr, ptrs, 2)) {
+        switch (msda_needs_general(pr) ? 0 : fast_group(pr, ptrs, 2)) {
         case 1: return launch_fast<T, 1>(pr, stream);
         case 2: return launch_fast<T, 2>(pr, stream);
         case 4: return launch_fast<T, 4>(pr, stream);
@@ -148,9 +151,6 @@ extern "C" int msda_cuda_forward(const msda_problem *pr) {
     MSDA_CUDA_CHECK(fn, guard.select(pr->device));
     cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
     cudaStream_t stream = (cudaStream_t)pr->stream;
-    if (msda_needs_general(pr) || (pr->flags & MSDA_DETERMINISTIC))
-        return msda_set_error(MSDA_ERR_UNSUPPORTED,
-                              "%s: level_points and flags are not implemented on CUDA yet", fn);
     switch (pr->dtype) {
     case MSDA_F32: MSDA_CUDA_CHECK(fn, launch<float>(pr, stream)); break;
     case MSDA_F64: MSDA_CUDA_CHECK(fn, launch<double>(pr, stream)); break;

@@ -134,6 +134,11 @@ def _pymsda(value, spatial_shapes, sampling_locations, attention_weights):
     return ms_deform_attn(value, spatial_shapes, None, sampling_locations, attention_weights)
 
 
+def _pymsda_deterministic(value, spatial_shapes, sampling_locations, attention_weights):
+    return ms_deform_attn(value, spatial_shapes, None, sampling_locations, attention_weights,
+                          deterministic=True)
+
+
 IMPLEMENTATIONS = {"pymsda": _pymsda, "reference": ms_deform_attn_pytorch}
 
 
@@ -327,10 +332,10 @@ def measure_overhead(device, reference=True, calls=2000, warmup=200):
     return result
 
 
-def _time_pass(input_sets, pass_name, reps, device, warmup, reference):
+def _time_pass(input_sets, pass_name, reps, device, warmup, reference, op=_pymsda):
     """The timing columns of one row; a failing reference gives "n/a" and its reason."""
     row = {"pass": pass_name, "reference_ms": None, "reference_note": None, "speedup": None}
-    row["pymsda_ms"] = median_ms(pass_calls(_pymsda, input_sets, pass_name), reps, device, warmup)
+    row["pymsda_ms"] = median_ms(pass_calls(op, input_sets, pass_name), reps, device, warmup)
     _free(device)
     if not reference:
         row["reference_note"] = "not run"
@@ -346,7 +351,8 @@ def _time_pass(input_sets, pass_name, reps, device, warmup, reference):
 
 
 def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, reps=None,
-        sets=3, reference=True, overhead=False, command=None, progress=True):
+        sets=3, reference=True, overhead=False, command=None, progress=True,
+        deterministic=False):
     """Benchmarks every shape x dtype x pass. shapes: {name: spec} (default: the device's group of
     bench_shapes.json); dtypes: names of DTYPES. Returns {"metadata", "settings", "shapes", "rows",
     "overhead"}; one row per shape, dtype and pass, its "errors" shared by the shape's dtype."""
@@ -359,12 +365,14 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
     metadata = environment(device, command)
     settings = dict(device=str(device), dtypes=dtypes, dist=dist, passes=list(passes), reps=reps,
-                    sets=sets, warmup=warmup, reference=reference, threads=torch.get_num_threads())
+                    sets=sets, warmup=warmup, reference=reference, threads=torch.get_num_threads(),
+                    deterministic=deterministic)
     for key, text in metadata.items():
         log(f"{key + ':':9s} {text}")
     log("settings: " + " ".join(f"{k}={v}" for k, v in settings.items()))
     time_pass = functools.partial(_time_pass, reps=reps, device=device, warmup=warmup,
-                                  reference=reference)
+                                  reference=reference,
+                                  op=_pymsda_deterministic if deterministic else _pymsda)
     rows = []
     for name, spec in shapes.items():
         for dtype_name in dtypes:
@@ -525,6 +533,8 @@ def main(argv=None):
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
     parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="time pymsda with deterministic=True (bitwise reproducible backward)")
     parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speed-ups")
     parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")
@@ -554,6 +564,7 @@ def main(argv=None):
 
     result = run({n: group[n] for n in names}, device, args.dtype, args.dist, args.passes,
                  args.reps, args.sets, reference=not args.no_reference, overhead=args.overhead,
+                 deterministic=args.deterministic,
                  command=shlex.join(["python", "-m", "pymsda", "bench"] + argv))
     print()
     print(format_table(result), flush=True)
