@@ -112,6 +112,11 @@ __device__ __forceinline__ bool sample_point(Acc loc_x, Acc loc_y, int64_t H_l, 
     return any;
 }
 
+/* A product rounded on its own, never fused into a following addition (as the CPU and torch
+ * compute loc * W + 0.5). */
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
 /* nearest-pixel sampling (MSDA_NEAREST): the single pixel (clamp(floor(x*W + 0.5), 0, W-1),
  * clamp(floor(y*H + 0.5), 0, H-1)) as a Point whose corner 0 carries weight 1 (fx = fy = 0).
  * False for a non-finite location or a pixel outside [0, S). */
@@ -123,8 +128,8 @@ __device__ __forceinline__ bool nearest_point(Acc loc_x, Acc loc_y, int64_t H_l,
     if (!(isfinite(loc_x) && isfinite(loc_y))) return false;
     const Acc Wf = (Acc)W_l, Hf = (Acc)H_l;
     /* clamped as floats first, so a huge coordinate never overflows the integer conversion */
-    const Acc xf = fmin(fmax(floor(loc_x * Wf + (Acc)0.5), (Acc)0), Wf - (Acc)1);
-    const Acc yf = fmin(fmax(floor(loc_y * Hf + (Acc)0.5), (Acc)0), Hf - (Acc)1);
+    const Acc xf = fmin(fmax(floor(mul_rn(loc_x, Wf) + (Acc)0.5), (Acc)0), Wf - (Acc)1);
+    const Acc yf = fmin(fmax(floor(mul_rn(loc_y, Hf) + (Acc)0.5), (Acc)0), Hf - (Acc)1);
     const int64_t idx = pixel_index((int64_t)yf, (int64_t)xf, H_l, W_l, start, S);
     if (idx < 0) return false;
     pt.fx = pt.fy = (Acc)0;
@@ -359,6 +364,37 @@ __device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int
     return true;
 }
 
+/* Level of point `pidx` of an item. */
+__device__ __forceinline__ int level_of(const msda_problem &pr, int pidx) {
+    if (pr.uniform_points) return pidx / (int)pr.P;
+    int l = 0;
+    while (pidx >= pr.point_start[l + 1]) l++; /* pidx < point_start[L] = NP */
+    return l;
+}
+
+/* MSDA_SOFTMAX, fast kernels: each group of G lanes computes {max, 1 / sum(exp(z - max))} of
+ * its item's logits into s_soft[local] (lane-strided, then group shuffles: a fixed order);
+ * items past the end get {0, 1}. The caller synchronises. */
+template <typename T, int G>
+__device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int n_items,
+                                                    float2 *s_soft) {
+    const int g = threadIdx.x % G, local = threadIdx.x / G;
+    if (!(pr.flags & MSDA_SOFTMAX)) { /* uniform over the grid: no shuffle is skipped */
+        if (g == 0) s_soft[local] = make_float2(0.f, 1.f);
+        return;
+    }
+    const int NP = item < n_items ? (int)pr.NP : 0; /* every lane still joins the shuffles */
+    const T *z = (const T *)pr.attention_weights + (int64_t)item * (int)pr.NP;
+    float m = -INFINITY, sum = 0.f;
+    for (int j = g; j < NP; j += G) m = fmaxf(m, to_acc(z[j]));
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int j = g; j < NP; j += G) sum += expf(to_acc(z[j]) - m);
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (g == 0) s_soft[local] = NP ? make_float2(m, 1.f / sum) : make_float2(0.f, 1.f);
+}
+
 /* Geometry of sampling point `pidx` (0 <= pidx < L*P) of item (b, q, h) = `item`:
  *   offs: element offset in value of each corner's channel 0 for this head, or -1 if outside;
  *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
@@ -366,20 +402,33 @@ __device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int
  * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
 template <typename T, bool WEIGHTS>
 __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int item,
-                                            int pidx, int4 &offs, float4 &geo) {
+                                            int pidx, float2 soft, int4 &offs, float4 &geo) {
     const T *loc = (const T *)pr.sampling_locations;
     const T *attn = (const T *)pr.attention_weights;
-    const int64_t i = (int64_t)item * (int)(pr.L * pr.P) + pidx;
-    const int4 lvl = s_lvl[pidx / (int)pr.P];
-    const float a = to_acc(attn[i]);
+    const int64_t i = (int64_t)item * (int)pr.NP + pidx;
+    const int4 lvl = s_lvl[level_of(pr, pidx)];
+    float a = to_acc(attn[i]);
+    if (pr.flags & MSDA_SOFTMAX) a = expf(a - soft.x) * soft.y;
     offs = make_int4(-1, -1, -1, -1);
     geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
-    int x0, y0;
-    float fx, fy;
-    if (!locate32(to_acc(loc[2 * i]), to_acc(loc[2 * i + 1]), lvl, x0, y0, fx, fy)) return;
     const int H = (int)pr.H, HC = (int)(pr.H * pr.C), S = (int)pr.S;
     const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
     const int head_off = b * S * HC + h * (int)pr.C;
+    const float lx = to_acc(loc[2 * i]), ly = to_acc(loc[2 * i + 1]);
+    if (pr.flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
+        if (lvl.y <= 0 || !(isfinite(lx) && isfinite(ly))) return;
+        const float Wf = (float)lvl.y, Hf = (float)lvl.x;
+        const int xx = (int)fminf(fmaxf(floorf(__fmul_rn(lx, Wf) + 0.5f), 0.f), Wf - 1.f);
+        const int yy = (int)fminf(fmaxf(floorf(__fmul_rn(ly, Hf) + 0.5f), 0.f), Hf - 1.f);
+        const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
+        if (idx >= (unsigned)S) return;
+        offs.x = head_off + (int)idx * HC;
+        geo = make_float4(a, 0.f, 0.f, 0.f); /* weights {A, 0, 0, 0} = {A, fx = 0, fy = 0, 0} */
+        return;
+    }
+    int x0, y0;
+    float fx, fy;
+    if (!locate32(lx, ly, lvl, x0, y0, fx, fy)) return;
     int o[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -402,14 +451,14 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
  * synchronises before reading them. */
 template <typename T, bool WEIGHTS, typename St>
 __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl, int base,
-                                            int n_items, int p0, int kn, int4 *s_offs,
-                                            float4 *s_geo) {
+                                            int n_items, int p0, int kn, const float2 *s_soft,
+                                            int4 *s_offs, float4 *s_geo) {
     for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
         const int il = j / St::K, k = j % St::K;
         int4 offs = make_int4(-1, -1, -1, -1);
         float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
         if (base + il < n_items && k < kn)
-            stage_point<T, WEIGHTS>(pr, s_lvl, base + il, p0 + k, offs, geo);
+            stage_point<T, WEIGHTS>(pr, s_lvl, base + il, p0 + k, s_soft[il], offs, geo);
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
     }
@@ -423,7 +472,7 @@ static inline int fast_group(const msda_problem *pr, const void *const *ptrs, in
     if (G > 32 || (G & (G - 1)) != 0) return 0;
     if (pr->B * pr->S * pr->H * pr->C >= ((int64_t)1 << 31) ||
         pr->B * pr->Q * pr->H >= ((int64_t)1 << 31) || pr->L > MSDA_FAST_MAX_LEVELS ||
-        pr->L * pr->P >= ((int64_t)1 << 31))
+        pr->NP >= ((int64_t)1 << 31))
         return 0;
     for (int j = 0; j < n_ptrs; j++)
         if (ptrs[j] && ((uintptr_t)ptrs[j] & 15) != 0) return 0;

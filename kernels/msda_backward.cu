@@ -16,10 +16,11 @@
  *   j, j+32, ...; warp-shuffle sums written by lane 0.
  *   grad_value is zeroed with cudaMemsetAsync on the same stream first; it is the only output
  *   written with atomics (so its summation order, and its last bits, vary from run to run).
- * Options (generic kernel only, msda_needs_general()): per-level point counts, nearest sampling
- *   (location gradient 0), fused softmax (A recomputed from the logits per item; the logit
- *   gradient A_j * (dL/dA_j - sum_k A_k dL/dA_k) needs every dL/dA of the item first, so they are
- *   parked in grad_attention_weights and rewritten by the same warp).
+ * Options (both paths): per-level point counts (level of a point from pr.point_start), nearest
+ *   sampling (one corner of weight 1, location gradient 0), fused softmax (each item's logit
+ *   maximum and 1 / sum(exp) first, by its warp or group, in a fixed order; the logit gradient
+ *   A_j * (dL/dA_j - sum_k A_k dL/dA_k) needs every dL/dA of the item, so they are parked in
+ *   grad_attention_weights and rewritten by the same warp or group at the end of the item).
  * MSDA_DETERMINISTIC: grad_value accumulates as 64-bit fixed point in the caller's workspace
  *   (common.cuh: scan kernel for the scale, the same fast or generic kernel with integer
  *   atomics, a convert kernel). Integer sums do not depend on the order, so runs are bitwise
@@ -186,6 +187,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_geo[St::IPB * St::STRIDE];  /* {A, fx, fy, 0} */
     __shared__ float4 s_sums[St::IPB * St::STRIDE]; /* {d/dA, d/dfx, d/dfy, 0} before scaling */
+    __shared__ float2 s_soft[St::IPB];              /* softmax {max, 1 / sum} per item */
     const int g = threadIdx.x % G, local = threadIdx.x / G;
     const T *value = (const T *)pr.value + g * V;
     const T *gout = (const T *)pr.grad_output;
@@ -199,7 +201,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     T *grad_loc = (T *)pr.grad_sampling_locations;
     T *grad_attn = (T *)pr.grad_attention_weights;
     const bool point_grads = grad_loc || grad_attn;
-    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)(pr.L * pr.P), C = (int)pr.C;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
+    const bool nearest = pr.flags & MSDA_NEAREST, softmax = pr.flags & MSDA_SOFTMAX;
     load_levels(pr, s_lvl);
     __syncthreads();
     for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
@@ -215,9 +218,12 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
 #pragma unroll
             for (int j = 0; j < V; j++) go[j] = go_det[j] = 0.f;
         }
+        group_softmax_stats<T, G>(pr, item, n_items, s_soft);
+        if (softmax) __syncthreads();
+        float dot = 0.f; /* softmax: sum over the item's points of A * dL/dA, in point order */
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            stage_chunk<T, false, St>(pr, s_lvl, base, n_items, p0, kn, s_offs, s_geo);
+            stage_chunk<T, false, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_geo);
             __syncthreads();
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */
@@ -261,6 +267,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 s_a = group_sum<G>(s_a);
                 s_x = group_sum<G>(s_x);
                 s_y = group_sum<G>(s_y);
+                dot += a * s_a;
                 /* .w marks a point with a corner inside: only those scale by A (a non-finite A
                  * of a point outside must leave its zero gradients zero, as on the CPU). */
                 const bool hit = o[0] >= 0 || o[1] >= 0 || o[2] >= 0 || o[3] >= 0;
@@ -276,10 +283,10 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     const float4 sums = s_sums[il * St::STRIDE + k];
                     const float a = s_geo[il * St::STRIDE + k].x;
                     if (grad_attn) grad_attn[i] = from_acc<T>(sums.x);
-                    if (grad_loc && sums.w == 0.f) {
+                    if (grad_loc && (sums.w == 0.f || nearest)) { /* nearest: constant */
                         grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
                     } else if (grad_loc) {
-                        const int l = pidx / (int)pr.P;
+                        const int l = level_of(pr, pidx);
                         const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
                         const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
                         grad_loc[2 * i] = from_acc<T>(a * sums.y * W_l);
@@ -288,6 +295,15 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 }
             }
             __syncthreads();
+        }
+        if (softmax && grad_attn && item < n_items) { /* dL/dz = A * (dL/dA - dot), see above */
+            const float2 soft = s_soft[local];
+            const T *z = (const T *)pr.attention_weights;
+            for (int pidx = g; pidx < LP; pidx += G) {
+                const int64_t i = (int64_t)item * LP + pidx;
+                const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
+                grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
+            }
         }
     }
 }
@@ -359,7 +375,7 @@ template <typename T, bool DET>
 static cudaError_t launch_kernels(const msda_problem *pr, cudaStream_t stream) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
-        switch (msda_needs_general(pr) ? 0 : fast_group(pr, ptrs, 3)) {
+        switch (fast_group(pr, ptrs, 3)) {
         case 1: return launch_fast<T, 1, DET>(pr, stream);
         case 2: return launch_fast<T, 2, DET>(pr, stream);
         case 4: return launch_fast<T, 4, DET>(pr, stream);

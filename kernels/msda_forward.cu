@@ -8,10 +8,11 @@
  *   shared memory, one thread per point (level table, 32-bit index math, corner weights
  *   premultiplied by A), then every group gathers. Consecutive blocks hold consecutive
  *   queries, which sample nearby pixels (L2 reuse).
- *   Generic path (f64, any other C, unaligned pointers, and every problem with per-level point
- *   counts, nearest sampling or fused softmax): one warp per (b, q, h), lane j owns channels
- *   j, j+32, ...; every lane computes the geometry itself; with softmax the warp first finds the
- *   item's logit maximum and 1 / sum(exp) (shuffles, a fixed order).
+ *   Generic path (f64, any other C, unaligned pointers): one warp per (b, q, h), lane j owns
+ *   channels j, j+32, ...; every lane computes the geometry itself.
+ *   Both paths serve per-level point counts, nearest sampling (one corner of weight 1) and fused
+ *   softmax (the warp or group first finds its item's logit maximum and 1 / sum(exp), by
+ *   shuffles in a fixed order; the fast path keeps them in shared memory for the staging).
  * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64; corners outside the level or outside
  *   [0, S) contribute 0 (locate / pixel_index in common.cuh).
  * Tried (H100, torch 2.11, CUDA events; "realistic" inputs unless said; f32 / bf16):
@@ -80,9 +81,10 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_w[St::IPB * St::STRIDE];
+    __shared__ float2 s_soft[St::IPB]; /* softmax {max, 1 / sum} per item */
     const T *value = (const T *)pr.value + threadIdx.x % G * V;
     T *out = (T *)pr.output;
-    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)(pr.L * pr.P), C = (int)pr.C;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const int local = threadIdx.x / G, g = threadIdx.x % G;
     load_levels(pr, s_lvl);
     __syncthreads();
@@ -91,9 +93,11 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
         float acc[V];
 #pragma unroll
         for (int j = 0; j < V; j++) acc[j] = 0.f;
+        group_softmax_stats<T, G>(pr, item, n_items, s_soft);
+        if (pr.flags & MSDA_SOFTMAX) __syncthreads();
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            stage_chunk<T, true, St>(pr, s_lvl, base, n_items, p0, kn, s_offs, s_w);
+            stage_chunk<T, true, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_w);
             __syncthreads();
 #pragma unroll 4
             for (int k = 0; k < kn; k++) {
@@ -128,7 +132,7 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->output};
-        switch (msda_needs_general(pr) ? 0 : fast_group(pr, ptrs, 2)) {
+        switch (fast_group(pr, ptrs, 2)) {
         case 1: return launch_fast<T, 1>(pr, stream);
         case 2: return launch_fast<T, 2>(pr, stream);
         case 4: return launch_fast<T, 4>(pr, stream);
