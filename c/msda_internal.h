@@ -62,7 +62,8 @@ int msda_cpu_backward(const msda_problem *pr);
  * sampling, fused softmax. */
 int msda_cpu_forward_general(const msda_problem *pr);
 int msda_cpu_backward_general(const msda_problem *pr);
-/* 1 when the problem needs the general kernels. */
+/* 1 when the problem uses an option (per-level point counts, nearest sampling, softmax): the
+ * general CPU kernels serve it, and the CUDA fast kernels compiled with their option code. */
 static inline int msda_needs_general(const msda_problem *pr) {
     return !pr->uniform_points || (pr->flags & (MSDA_NEAREST | MSDA_SOFTMAX));
 }

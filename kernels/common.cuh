@@ -364,9 +364,11 @@ __device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int
     return true;
 }
 
-/* Level of point `pidx` of an item. */
-__device__ __forceinline__ int level_of(const msda_problem &pr, int pidx) {
-    if (pr.uniform_points) return pidx / (int)pr.P;
+/* Level of point `pidx` of an item. OPT (in every fast-path helper): the problem may use
+ * options (per-level point counts, MSDA_NEAREST, MSDA_SOFTMAX); without it their code is
+ * compiled out, which keeps the plain kernels' registers as they were. */
+template <bool OPT> __device__ __forceinline__ int level_of(const msda_problem &pr, int pidx) {
+    if (!OPT || pr.uniform_points) return pidx / (int)pr.P;
     int l = 0;
     while (pidx >= pr.point_start[l + 1]) l++; /* pidx < point_start[L] = NP */
     return l;
@@ -375,10 +377,11 @@ __device__ __forceinline__ int level_of(const msda_problem &pr, int pidx) {
 /* MSDA_SOFTMAX, fast kernels: each group of G lanes computes {max, 1 / sum(exp(z - max))} of
  * its item's logits into s_soft[local] (lane-strided, then group shuffles: a fixed order);
  * items past the end get {0, 1}. The caller synchronises. */
-template <typename T, int G>
+template <typename T, int G, bool OPT>
 __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int n_items,
                                                     float2 *s_soft) {
     const int g = threadIdx.x % G, local = threadIdx.x / G;
+    if (!OPT) return; /* s_soft is not read (nor sized for the items) */
     if (!(pr.flags & MSDA_SOFTMAX)) { /* uniform over the grid: no shuffle is skipped */
         if (g == 0) s_soft[local] = make_float2(0.f, 1.f);
         return;
@@ -400,35 +403,37 @@ __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int 
  *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
  * Offsets are int32: the fast path needs B*S*H*C < 2^31. Unsigned arithmetic wraps instead of
  * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
-template <typename T, bool WEIGHTS>
+template <typename T, bool WEIGHTS, bool OPT>
 __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int item,
                                             int pidx, float2 soft, int4 &offs, float4 &geo) {
     const T *loc = (const T *)pr.sampling_locations;
     const T *attn = (const T *)pr.attention_weights;
     const int64_t i = (int64_t)item * (int)pr.NP + pidx;
-    const int4 lvl = s_lvl[level_of(pr, pidx)];
+    const int4 lvl = s_lvl[level_of<OPT>(pr, pidx)];
+    const int flags = OPT ? pr.flags : 0;
     float a = to_acc(attn[i]);
-    if (pr.flags & MSDA_SOFTMAX) a = expf(a - soft.x) * soft.y;
+    if (flags & MSDA_SOFTMAX) a = expf(a - soft.x) * soft.y;
     offs = make_int4(-1, -1, -1, -1);
     geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
     const int H = (int)pr.H, HC = (int)(pr.H * pr.C), S = (int)pr.S;
-    const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
-    const int head_off = b * S * HC + h * (int)pr.C;
     const float lx = to_acc(loc[2 * i]), ly = to_acc(loc[2 * i + 1]);
-    if (pr.flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
+    if (flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
         if (lvl.y <= 0 || !(isfinite(lx) && isfinite(ly))) return;
         const float Wf = (float)lvl.y, Hf = (float)lvl.x;
         const int xx = (int)fminf(fmaxf(floorf(__fmul_rn(lx, Wf) + 0.5f), 0.f), Wf - 1.f);
         const int yy = (int)fminf(fmaxf(floorf(__fmul_rn(ly, Hf) + 0.5f), 0.f), Hf - 1.f);
         const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
         if (idx >= (unsigned)S) return;
-        offs.x = head_off + (int)idx * HC;
+        const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
+        offs.x = b * S * HC + h * (int)pr.C + (int)idx * HC;
         geo = make_float4(a, 0.f, 0.f, 0.f); /* weights {A, 0, 0, 0} = {A, fx = 0, fy = 0, 0} */
         return;
     }
     int x0, y0;
     float fx, fy;
     if (!locate32(lx, ly, lvl, x0, y0, fx, fy)) return;
+    const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
+    const int head_off = b * S * HC + h * (int)pr.C;
     int o[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -449,7 +454,7 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
 /* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) in shared memory, one
  * thread per point (stage_point); slots past the last item or point get offsets -1. The caller
  * synchronises before reading them. */
-template <typename T, bool WEIGHTS, typename St>
+template <typename T, bool WEIGHTS, bool OPT, typename St>
 __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl, int base,
                                             int n_items, int p0, int kn, const float2 *s_soft,
                                             int4 *s_offs, float4 *s_geo) {
@@ -458,7 +463,8 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
         int4 offs = make_int4(-1, -1, -1, -1);
         float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
         if (base + il < n_items && k < kn)
-            stage_point<T, WEIGHTS>(pr, s_lvl, base + il, p0 + k, s_soft[il], offs, geo);
+            stage_point<T, WEIGHTS, OPT>(pr, s_lvl, base + il, p0 + k,
+                                         OPT ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
     }

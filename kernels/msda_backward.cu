@@ -35,6 +35,12 @@
  *   d3 d2 scaling in float (exact: the scale is a power of two <= 2^100): 2.62 / 2.50 ms
  *      realistic (3.4x / 3.2x the default) <- shipped. 64-bit integer atomics have no vector
  *      form, and there are 4x as many as the default's 16-byte f32 ones, of twice the bytes.
+ *   H100, same run: ddetr_enc 2.96 / 2.86 ms against the default's 0.95 / 0.95 (3.1x / 3.0x);
+ *   dino_dec900 0.280 / 0.288 ms against 0.085 / 0.102.
+ * Options cost: the fast kernels are compiled twice, with and without the option code (OPT),
+ *   because with it inlined the plain backward spilled and slowed from 0.885 to 1.078 ms
+ *   (ddetr_enc f32, H100). Compiled out, the plain backward still measures 0.913 against the
+ *   0.884 ms of the kernel before the options existed (same run, repeated), cause not found.
  * Numerics: f32 accumulation for f32/f16/bf16 (grad_value too: an f32 buffer for half types,
  *   which the caller casts), f64 for f64.
  * Tried (H100, torch 2.11, CUDA events, backward alone incl. the grad_value memset (and the
@@ -179,7 +185,7 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 #else
 #define MSDA_BWD_MIN_BLOCKS 5
 #endif
-template <typename T, int G, bool DET>
+template <typename T, int G, bool DET, bool OPT>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr int V = 4;
     typedef Stage<G> St;
@@ -187,7 +193,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_geo[St::IPB * St::STRIDE];  /* {A, fx, fy, 0} */
     __shared__ float4 s_sums[St::IPB * St::STRIDE]; /* {d/dA, d/dfx, d/dfy, 0} before scaling */
-    __shared__ float2 s_soft[St::IPB];              /* softmax {max, 1 / sum} per item */
+    __shared__ float2 s_soft[OPT ? St::IPB : 1];    /* softmax {max, 1 / sum} per item */
     const int g = threadIdx.x % G, local = threadIdx.x / G;
     const T *value = (const T *)pr.value + g * V;
     const T *gout = (const T *)pr.grad_output;
@@ -202,7 +208,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     T *grad_attn = (T *)pr.grad_attention_weights;
     const bool point_grads = grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
-    const bool nearest = pr.flags & MSDA_NEAREST, softmax = pr.flags & MSDA_SOFTMAX;
+    const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
+    const bool softmax = OPT && (pr.flags & MSDA_SOFTMAX);
     load_levels(pr, s_lvl);
     __syncthreads();
     for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
@@ -210,20 +217,21 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
         float go[V], go_det[V]; /* go_det: channels g, g + G, ... (DET's coalesced atomics) */
         if (item < n_items) {
             load_vec(gout + (int64_t)item * C + g * V, go);
-            if (DET) {
-#pragma unroll
-                for (int j = 0; j < V; j++) go_det[j] = to_acc(gout[(int64_t)item * C + g + j * G]);
-            }
         } else {
 #pragma unroll
-            for (int j = 0; j < V; j++) go[j] = go_det[j] = 0.f;
+            for (int j = 0; j < V; j++) go[j] = 0.f;
         }
-        group_softmax_stats<T, G>(pr, item, n_items, s_soft);
+        if (DET) {
+#pragma unroll
+            for (int j = 0; j < V; j++)
+                go_det[j] = item < n_items ? to_acc(gout[(int64_t)item * C + g + j * G]) : 0.f;
+        }
+        group_softmax_stats<T, G, OPT>(pr, item, n_items, s_soft);
         if (softmax) __syncthreads();
         float dot = 0.f; /* softmax: sum over the item's points of A * dL/dA, in point order */
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            stage_chunk<T, false, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_geo);
+            stage_chunk<T, false, OPT, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_geo);
             __syncthreads();
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 s_a = group_sum<G>(s_a);
                 s_x = group_sum<G>(s_x);
                 s_y = group_sum<G>(s_y);
-                dot += a * s_a;
+                if (softmax) dot += a * s_a;
                 /* .w marks a point with a corner inside: only those scale by A (a non-finite A
                  * of a point outside must leave its zero gradients zero, as on the CPU). */
                 const bool hit = o[0] >= 0 || o[1] >= 0 || o[2] >= 0 || o[3] >= 0;
@@ -286,7 +294,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     if (grad_loc && (sums.w == 0.f || nearest)) { /* nearest: constant */
                         grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
                     } else if (grad_loc) {
-                        const int l = level_of(pr, pidx);
+                        const int l = level_of<OPT>(pr, pidx);
                         const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
                         const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
                         grad_loc[2 * i] = from_acc<T>(a * sums.y * W_l);
@@ -367,7 +375,9 @@ static inline unsigned int flat_blocks(int64_t n) {
 
 template <typename T, int G, bool DET>
 static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
-    msda_backward_fast<T, G, DET><<<item_blocks(pr->B * pr->Q * pr->H, G), 256, 0, stream>>>(*pr);
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
+    if (msda_needs_general(pr)) msda_backward_fast<T, G, DET, true><<<blocks, 256, 0, stream>>>(*pr);
+    else msda_backward_fast<T, G, DET, false><<<blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 

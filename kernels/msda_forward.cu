@@ -74,14 +74,14 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     }
 }
 
-template <typename T, int G>
+template <typename T, int G, bool OPT>
 __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
     constexpr int V = 4;
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_w[St::IPB * St::STRIDE];
-    __shared__ float2 s_soft[St::IPB]; /* softmax {max, 1 / sum} per item */
+    __shared__ float2 s_soft[OPT ? St::IPB : 1]; /* softmax {max, 1 / sum} per item */
     const T *value = (const T *)pr.value + threadIdx.x % G * V;
     T *out = (T *)pr.output;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
@@ -93,11 +93,11 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
         float acc[V];
 #pragma unroll
         for (int j = 0; j < V; j++) acc[j] = 0.f;
-        group_softmax_stats<T, G>(pr, item, n_items, s_soft);
-        if (pr.flags & MSDA_SOFTMAX) __syncthreads();
+        group_softmax_stats<T, G, OPT>(pr, item, n_items, s_soft);
+        if (OPT && (pr.flags & MSDA_SOFTMAX)) __syncthreads();
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            stage_chunk<T, true, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_w);
+            stage_chunk<T, true, OPT, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_w);
             __syncthreads();
 #pragma unroll 4
             for (int k = 0; k < kn; k++) {
@@ -125,7 +125,9 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
 
 template <typename T, int G>
 static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
-    msda_forward_fast<T, G><<<item_blocks(pr->B * pr->Q * pr->H, G), 256, 0, stream>>>(*pr);
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
+    if (msda_needs_general(pr)) msda_forward_fast<T, G, true><<<blocks, 256, 0, stream>>>(*pr);
+    else msda_forward_fast<T, G, false><<<blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
