@@ -1,17 +1,440 @@
-/* c/cpu_general.c: CPU kernels for the problems c/cpu_kernels.c does not serve: per-level point
- * counts, nearest sampling, fused softmax (msda_needs_general()). Not yet written. */
+/* c/cpu_general.c: the CPU forward and backward for every problem the tuned kernels of
+ * c/cpu_kernels.c do not serve (msda_needs_general()): per-level point counts (level_points),
+ * nearest sampling (MSDA_NEAREST), fused softmax (MSDA_SOFTMAX), and any combination of them.
+ *
+ * Math (c/msda.h). Per (b, q, h), points i = 0 .. NP-1; level l owns [ps[l], ps[l+1])
+ * (ps[l] = l*P with uniform counts):
+ *   A_i = attention_weights[b,q,h,i]          (MSDA_SOFTMAX: A = softmax over the NP logits)
+ *   out[b,q,h,:] = sum_i A_i * sample_i,      sample_i = sum_k w_ik * V_l[b, corner k, h, :]
+ *   bilinear: x = loc_x*W_l - 0.5, y = loc_y*H_l - 0.5, fx = x - floor(x), fy = y - floor(y);
+ *     corner k = 2*dy + dx is (floor(x) + dx, floor(y) + dy), w = (dx ? fx : 1-fx)(dy ? fy : 1-fy)
+ *   nearest: the single corner (clamp(floor(loc_x*W_l + 0.5), 0, W_l-1), same for y), w = 1.
+ * Gradients, with go = grad_output[b,q,h,:] and d_i = go . sample_i:
+ *   grad_value[b, corner k of i, h, :] += A_i * w_ik * go
+ *   grad_attention_weights_i = d_i, or with MSDA_SOFTMAX A_i * (d_i - sum_j A_j d_j) (logits)
+ *   grad_loc_i = A_i * (W_l * go . dsample/dfx, H_l * go . dsample/dfy); 0 for nearest.
+ * Out-of-range rule (as in the tuned kernels): a corner outside its level, or whose flat index
+ * start_l + y*W_l + x is outside [0, S), reads 0 and receives nothing. A bilinear point outside
+ * (-1, W_l) x (-1, H_l), a non-finite location, and a nearest point with a non-finite location
+ * read nothing: they add 0 to the output and get zero location gradients (and a zero weight
+ * gradient without softmax; with softmax their logit still shares the normalisation, so its
+ * gradient is the exact -A_i * sum_j A_j d_j). Level tables that lie give wrong numbers at
+ * worst: every position is checked before it is read or written.
+ *
+ * Thread map: forward, (b, q) rows with all their heads, handed out dynamically; backward, one
+ * task per (b, h), which zeroes grad_value[b, :, h, :], scatters into it and writes the point
+ * gradients of its (b, *, h) points: no two threads write the same element, no atomics, and the
+ * results do not depend on the thread count (the CPU backward is deterministic).
+ * Numerics: ACC (accumulation, softmax) is f32 for f32/f16/bf16 and f64 for f64; positions are
+ * computed in double, where they are exact. Halves are converted as they are loaded (half.h), the
+ * grad_output row once per (b, q, h). Channel loops are innermost and contiguous.
+ * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply.
+ * One thread, B=2 Q=300 H=8 C=32 L=4 P=4 f32, on the shared 2-core VM (noise +-30%): the tuned
+ * plain op 2.5-4.5 ms forward / 12-17 ms backward; here with softmax 6.5-13 / 15-27 ms, nearest
+ * 3.5-4.5 / 6.5-16 ms.
+ * The per-element-type code below is compiled once per type by this file including itself (the
+ * part under GENERAL_SUFFIX), as cpu_kernels.c does with cpu_kernels.inc.
+ */
+#ifndef GENERAL_SUFFIX
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "half.h"
 #include "msda_internal.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+typedef struct {
+    int64_t h, w, start; /* h = w = 0: a level no point can land in */
+} general_level;
+
+/* What every task of one call shares. */
+typedef struct {
+    const msda_problem *pr;
+    general_level *levels; /* L entries */
+    int32_t *point_level;  /* NP entries: the level of each point of a (b, q, h) */
+    int nearest, softmax;
+} general_ctx;
+
+/* Where one point reads: up to four corners (nearest: corner 0 alone). */
+typedef struct {
+    int64_t pos[4]; /* flat position in S of corner k = 2*dy + dx; -1: reads 0 */
+    double w[4];    /* the corner's weight in the sample */
+    double fx, fy;  /* bilinear: the point's fraction inside its cell */
+    int hit;        /* some corner is read */
+} general_sample;
+
+static void free_ctx(general_ctx *cx) {
+    free(cx->levels);
+    free(cx->point_level);
+}
+
+/* Reads the level tables and the point -> level map; MSDA_OK or MSDA_ERR_INTERNAL. */
+static int init_ctx(general_ctx *cx, const msda_problem *pr, const char *fn) {
+    cx->pr = pr;
+    cx->nearest = (pr->flags & MSDA_NEAREST) != 0;
+    cx->softmax = (pr->flags & MSDA_SOFTMAX) != 0;
+    cx->levels = (general_level *)malloc((size_t)pr->L * sizeof(general_level));
+    cx->point_level = (int32_t *)malloc((size_t)pr->NP * sizeof(int32_t));
+    if (!cx->levels || !cx->point_level) {
+        free_ctx(cx);
+        return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of the level tables (L = %lld, "
+                              "%lld points) failed", fn, (long long)pr->L, (long long)pr->NP);
+    }
+    for (int64_t l = 0; l < pr->L; l++) {
+        general_level *lv = &cx->levels[l];
+        if (pr->index_dtype == MSDA_I64) {
+            const int64_t *ss = (const int64_t *)pr->spatial_shapes;
+            lv->h = ss[2 * l], lv->w = ss[2 * l + 1];
+            lv->start = ((const int64_t *)pr->level_start_index)[l];
+        } else {
+            const int32_t *ss = (const int32_t *)pr->spatial_shapes;
+            lv->h = ss[2 * l], lv->w = ss[2 * l + 1];
+            lv->start = ((const int32_t *)pr->level_start_index)[l];
+        }
+        /* Sizes whose positions could overflow int64 arithmetic come only from lying tables:
+         * such a level reads nothing (any real level has h*w <= S < 2^62). */
+        const int64_t limit = (int64_t)1 << 52;
+        if (lv->h <= 0 || lv->w <= 0 || lv->h > limit / lv->w || lv->start < -limit ||
+            lv->start > limit)
+            lv->h = lv->w = 0;
+    }
+    for (int64_t l = 0, i = 0; l < pr->L; l++) {
+        const int64_t end = pr->uniform_points ? (l + 1) * pr->P : pr->point_start[l + 1];
+        for (; i < end; i++) cx->point_level[i] = (int32_t)l;
+    }
+    return MSDA_OK;
+}
+
+/* The flat position of pixel (x, y) of a level, or -1 when it is outside the level or [0, S). */
+static inline int64_t checked_position(const general_level *lv, int64_t S, int64_t x, int64_t y) {
+    if (x < 0 || y < 0 || x >= lv->w || y >= lv->h) return -1;
+    const int64_t pos = lv->start + y * lv->w + x;
+    return pos >= 0 && pos < S ? pos : -1;
+}
+
+static void locate_bilinear(general_sample *g, const general_level *lv, int64_t S, double loc_x,
+                            double loc_y) {
+    const double W = (double)lv->w, H = (double)lv->h;
+    const double x = loc_x * W - 0.5, y = loc_y * H - 0.5;
+    g->hit = 0;
+    g->fx = g->fy = 0.0;
+    for (int k = 0; k < 4; k++) g->pos[k] = -1, g->w[k] = 0.0;
+    if (!(x > -1.0 && y > -1.0 && x < W && y < H)) return; /* NaN and infinities too */
+    /* floor without a libm call: x, y are in (-1, 2^52), where the truncation is exact */
+    const double xt = (double)(int64_t)x, yt = (double)(int64_t)y;
+    const double x0 = xt - (double)(xt > x), y0 = yt - (double)(yt > y);
+    g->fx = x - x0;
+    g->fy = y - y0;
+    for (int k = 0; k < 4; k++) {
+        const int dx = k & 1, dy = k >> 1;
+        g->pos[k] = checked_position(lv, S, (int64_t)x0 + dx, (int64_t)y0 + dy);
+        g->w[k] = (dx ? g->fx : 1.0 - g->fx) * (dy ? g->fy : 1.0 - g->fy);
+        g->hit |= g->pos[k] >= 0;
+    }
+}
+
+/* clamp(floor(v), 0, size - 1) for a finite v, without converting an out-of-range double. */
+static inline int64_t nearest_index(double v, int64_t size) {
+    if (!(v >= 0.0)) return 0;
+    if (v >= (double)size) return size - 1;
+    return (int64_t)v; /* truncation is floor for v >= 0 */
+}
+
+static void locate_nearest(general_sample *g, const general_level *lv, int64_t S, double loc_x,
+                           double loc_y) {
+    g->hit = 0;
+    g->fx = g->fy = 0.0;
+    for (int k = 0; k < 4; k++) g->pos[k] = -1, g->w[k] = 0.0;
+    if (!isfinite(loc_x) || !isfinite(loc_y) || lv->w == 0) return;
+    const int64_t x = nearest_index(loc_x * (double)lv->w + 0.5, lv->w);
+    const int64_t y = nearest_index(loc_y * (double)lv->h + 0.5, lv->h);
+    g->pos[0] = checked_position(lv, S, x, y);
+    g->w[0] = 1.0;
+    g->hit = g->pos[0] >= 0;
+}
+
+static inline void locate(general_sample *g, const general_ctx *cx, int64_t point, double loc_x,
+                          double loc_y) {
+    const general_level *lv = &cx->levels[cx->point_level[point]];
+    if (cx->nearest)
+        locate_nearest(g, lv, cx->pr->S, loc_x, loc_y);
+    else
+        locate_bilinear(g, lv, cx->pr->S, loc_x, loc_y);
+}
+
+/* Threads for a call with `work` sampling points: the caller's count (<= 0: the OpenMP default),
+ * 1 for tiny calls or inside a parallel region, never more than `tasks`. With 1 thread no OpenMP
+ * function is called (a forked DataLoader worker must not touch its parent's pool). */
+static int general_threads(const msda_problem *pr, int64_t work, int64_t tasks) {
+#ifdef _OPENMP
+    if (pr->num_threads == 1 || work < 2048 || tasks < 2) return 1;
+    if (omp_in_parallel()) return 1;
+    int n = pr->num_threads > 0 ? pr->num_threads : omp_get_max_threads();
+    if ((int64_t)n > tasks) n = (int)tasks;
+    return n > 1 ? n : 1;
+#else
+    (void)pr, (void)work, (void)tasks;
+    return 1;
+#endif
+}
+
+static inline int general_thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* One task of a call (a forward row, a backward slice) with its thread's scratch. */
+typedef void (*general_task)(const general_ctx *cx, int64_t task, void *scratch);
+
+/* Runs tasks [0, tasks) of a call with `work` sampling points, handed out `chunk` at a time to
+ * the threads, each with scratch_bytes of its own scratch (a multiple of the element size). */
+static int run_tasks(const general_ctx *cx, const char *fn, general_task task, int64_t tasks,
+                     int64_t work, int64_t scratch_bytes, int chunk) {
+    const int threads = general_threads(cx->pr, work, tasks);
+    char *scratch = (char *)malloc((size_t)threads * (size_t)scratch_bytes);
+    if (!scratch)
+        return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of %d x %lld scratch bytes "
+                              "failed", fn, threads, (long long)scratch_bytes);
+    if (threads == 1) {
+        for (int64_t t = 0; t < tasks; t++) task(cx, t, scratch);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+        for (int64_t t = 0; t < tasks; t++)
+            task(cx, t, scratch + (int64_t)general_thread_num() * scratch_bytes);
+    }
+    free(scratch);
+    return MSDA_OK;
+}
+
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline double load_f64(const double *p, int64_t i) { return p[i]; }
+static inline float load_f16(const uint16_t *p, int64_t i) { return msda_half_to_float(p[i]); }
+static inline float load_bf16(const uint16_t *p, int64_t i) { return msda_bf16_to_float(p[i]); }
+static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
+static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
+static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
+
+// ---------------------------------------------------------------------------------------------
+// kernels, once per element type (SCALAR storage, ACC accumulation)
+
+#define GENERAL_SUFFIX f32
+#define SCALAR float
+#define ACC float
+#define ACC_EXP expf
+#include "cpu_general.c"
+
+#define GENERAL_SUFFIX f64
+#define SCALAR double
+#define ACC double
+#define ACC_EXP exp
+#include "cpu_general.c"
+
+#define GENERAL_SUFFIX f16
+#define SCALAR uint16_t
+#define ACC float
+#define ACC_EXP expf
+#include "cpu_general.c"
+
+#define GENERAL_SUFFIX bf16
+#define SCALAR uint16_t
+#define ACC float
+#define ACC_EXP expf
+#include "cpu_general.c"
+
+// ---------------------------------------------------------------------------------------------
+// entry points
+
+typedef int (*general_kernel)(const general_ctx *cx);
+
+/* Runs the kernel of the problem's dtype from `kernels` (indexed by msda_dtype). */
+static int run_kernel(const msda_problem *pr, const char *fn, const general_kernel *kernels) {
+    if (pr->dtype < MSDA_F32 || pr->dtype > MSDA_BF16)
+        return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
+    general_ctx cx;
+    int st = init_ctx(&cx, pr, fn);
+    if (st != MSDA_OK) return st;
+    st = kernels[pr->dtype](&cx);
+    free_ctx(&cx);
+    return st;
+}
+
 int msda_cpu_forward_general(const msda_problem *pr) {
-    (void)pr;
-    return msda_set_error(MSDA_ERR_UNSUPPORTED,
-                          "msda_forward: level_points, MSDA_NEAREST and MSDA_SOFTMAX are not "
-                          "implemented on the CPU yet");
+    static const general_kernel kernels[] = {
+        [MSDA_F32] = general_forward_f32, [MSDA_F64] = general_forward_f64,
+        [MSDA_F16] = general_forward_f16, [MSDA_BF16] = general_forward_bf16};
+    return run_kernel(pr, "msda_forward", kernels);
 }
 
 int msda_cpu_backward_general(const msda_problem *pr) {
-    (void)pr;
-    return msda_set_error(MSDA_ERR_UNSUPPORTED,
-                          "msda_backward: level_points, MSDA_NEAREST and MSDA_SOFTMAX are not "
-                          "implemented on the CPU yet");
+    static const general_kernel kernels[] = {
+        [MSDA_F32] = general_backward_f32, [MSDA_F64] = general_backward_f64,
+        [MSDA_F16] = general_backward_f16, [MSDA_BF16] = general_backward_bf16};
+    if (!pr->grad_value && !pr->grad_sampling_locations && !pr->grad_attention_weights)
+        return MSDA_OK;
+    return run_kernel(pr, "msda_backward", kernels);
 }
+
+#else /* GENERAL_SUFFIX: the kernels of one element type */
+
+#define G_CAT_(a, b) a##_##b
+#define G_CAT(a, b) G_CAT_(a, b)
+#define FN(name) G_CAT(name, GENERAL_SUFFIX)
+#define LOAD G_CAT(load, GENERAL_SUFFIX)
+#define STORE G_CAT(store, GENERAL_SUFFIX)
+
+/* A[0..NP) of one (b, q, h) in ACC: the weights as given, or the softmax of the logits
+ * (max-subtracted; a NaN logit makes every weight NaN, a -inf one gives weight 0). */
+static void FN(point_weights)(ACC *A, const SCALAR *attn, int64_t NP, int softmax) {
+    for (int64_t i = 0; i < NP; i++) A[i] = LOAD(attn, i);
+    if (!softmax) return;
+    ACC max = A[0];
+    for (int64_t i = 1; i < NP; i++) max = A[i] > max ? A[i] : max;
+    ACC sum = 0;
+    for (int64_t i = 0; i < NP; i++) {
+        A[i] = ACC_EXP(A[i] - max);
+        sum += A[i];
+    }
+    const ACC inv = (ACC)1 / sum;
+    for (int64_t i = 0; i < NP; i++) A[i] *= inv;
+}
+
+/* out[b, q, :, :] for the row bq = b*Q + q. scratch: NP + C ACC. */
+static void FN(forward_row)(const general_ctx *cx, int64_t bq, void *scratch_bytes) {
+    ACC *scratch = (ACC *)scratch_bytes;
+    const msda_problem *pr = cx->pr;
+    const int64_t H = pr->H, C = pr->C, S = pr->S, NP = pr->NP, b = bq / pr->Q;
+    const SCALAR *value = (const SCALAR *)pr->value;
+    const SCALAR *loc = (const SCALAR *)pr->sampling_locations;
+    const SCALAR *attn = (const SCALAR *)pr->attention_weights;
+    SCALAR *out = (SCALAR *)pr->output;
+    ACC *A = scratch, *restrict acc = scratch + NP;
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t qh = bq * H + h;
+        FN(point_weights)(A, attn + qh * NP, NP, cx->softmax);
+        for (int64_t c = 0; c < C; c++) acc[c] = 0;
+        for (int64_t i = 0; i < NP; i++) {
+            general_sample g;
+            const int64_t li = 2 * (qh * NP + i);
+            locate(&g, cx, i, (double)LOAD(loc, li), (double)LOAD(loc, li + 1));
+            if (!g.hit) continue;
+            for (int k = 0; k < 4; k++) {
+                if (g.pos[k] < 0) continue;
+                const SCALAR *restrict row = value + ((b * S + g.pos[k]) * H + h) * C;
+                const ACC w = A[i] * (ACC)g.w[k];
+#pragma omp simd
+                for (int64_t c = 0; c < C; c++) acc[c] += w * LOAD(row, c);
+            }
+        }
+        for (int64_t c = 0; c < C; c++) STORE(out, qh * C + c, acc[c]);
+    }
+}
+
+static int FN(general_forward)(const general_ctx *cx) {
+    const msda_problem *pr = cx->pr;
+    const int64_t rows = pr->B * pr->Q;
+    return run_tasks(cx, "msda_forward", FN(forward_row), rows, rows * pr->H * pr->NP,
+                     (pr->NP + pr->C) * (int64_t)sizeof(ACC), 8);
+}
+
+/* Every gradient of the (b, h) slice bh = b*H + h: grad_value[b, :, h, :] (zeroed here first;
+ * this task owns it) and the point gradients of the (b, *, h) points. scratch: 2 NP + C ACC. */
+static void FN(backward_slice)(const general_ctx *cx, int64_t bh, void *scratch_bytes) {
+    ACC *scratch = (ACC *)scratch_bytes;
+    const msda_problem *pr = cx->pr;
+    const int64_t Q = pr->Q, H = pr->H, C = pr->C, S = pr->S, NP = pr->NP;
+    const int64_t b = bh / H, h = bh % H;
+    const SCALAR *value = (const SCALAR *)pr->value;
+    const SCALAR *loc = (const SCALAR *)pr->sampling_locations;
+    const SCALAR *attn = (const SCALAR *)pr->attention_weights;
+    const SCALAR *gout = (const SCALAR *)pr->grad_output;
+    ACC *grad_value = (ACC *)pr->grad_value;
+    SCALAR *grad_loc = (SCALAR *)pr->grad_sampling_locations;
+    SCALAR *grad_attn = (SCALAR *)pr->grad_attention_weights;
+    const int points = grad_loc || grad_attn;
+    const int corners = cx->nearest ? 1 : 4;
+    ACC *A = scratch, *d = scratch + NP, *restrict go = scratch + 2 * NP;
+
+    if (grad_value)
+        for (int64_t s = 0; s < S; s++)
+            memset(grad_value + ((b * S + s) * H + h) * C, 0, (size_t)C * sizeof(ACC));
+    for (int64_t q = 0; q < Q; q++) {
+        const int64_t qh = (b * Q + q) * H + h;
+        FN(point_weights)(A, attn + qh * NP, NP, cx->softmax);
+        for (int64_t c = 0; c < C; c++) go[c] = LOAD(gout, qh * C + c);
+        for (int64_t i = 0; i < NP; i++) {
+            general_sample g;
+            const int64_t li = 2 * (qh * NP + i);
+            locate(&g, cx, i, (double)LOAD(loc, li), (double)LOAD(loc, li + 1));
+            ACC e[4] = {0, 0, 0, 0}; /* go . corner row */
+            if (g.hit) {
+                for (int k = 0; k < corners; k++) {
+                    if (g.pos[k] < 0) continue;
+                    const int64_t off = ((b * S + g.pos[k]) * H + h) * C;
+                    const SCALAR *restrict row = value + off;
+                    if (grad_value) {
+                        ACC *restrict gv = grad_value + off;
+                        const ACC coef = A[i] * (ACC)g.w[k];
+#pragma omp simd
+                        for (int64_t c = 0; c < C; c++) gv[c] += coef * go[c];
+                    }
+                    if (points) {
+                        ACC sum = 0;
+#pragma omp simd reduction(+ : sum)
+                        for (int64_t c = 0; c < C; c++) sum += go[c] * LOAD(row, c);
+                        e[k] = sum;
+                    }
+                }
+            }
+            d[i] = (ACC)g.w[0] * e[0] + (ACC)g.w[1] * e[1] + (ACC)g.w[2] * e[2] +
+                   (ACC)g.w[3] * e[3];
+            if (grad_loc) {
+                ACC gx = 0, gy = 0;
+                if (g.hit && !cx->nearest) {
+                    const ACC fx = (ACC)g.fx, fy = (ACC)g.fy;
+                    const general_level *lv = &cx->levels[cx->point_level[i]];
+                    gx = A[i] * (ACC)lv->w * ((1 - fy) * (e[1] - e[0]) + fy * (e[3] - e[2]));
+                    gy = A[i] * (ACC)lv->h * ((1 - fx) * (e[2] - e[0]) + fx * (e[3] - e[1]));
+                }
+                STORE(grad_loc, li, gx);
+                STORE(grad_loc, li + 1, gy);
+            }
+        }
+        if (!grad_attn) continue;
+        ACC mean = 0; /* sum_j A_j d_j: the softmax's shared term */
+        if (cx->softmax)
+            for (int64_t i = 0; i < NP; i++) mean += A[i] * d[i];
+        for (int64_t i = 0; i < NP; i++)
+            STORE(grad_attn, qh * NP + i, cx->softmax ? A[i] * (d[i] - mean) : d[i]);
+    }
+}
+
+static int FN(general_backward)(const general_ctx *cx) {
+    const msda_problem *pr = cx->pr;
+    const int64_t slices = pr->B * pr->H;
+    return run_tasks(cx, "msda_backward", FN(backward_slice), slices,
+                     slices * pr->Q * pr->NP, (2 * pr->NP + pr->C) * (int64_t)sizeof(ACC), 1);
+}
+
+#undef FN
+#undef LOAD
+#undef STORE
+#undef G_CAT
+#undef G_CAT_
+#undef GENERAL_SUFFIX
+#undef SCALAR
+#undef ACC
+#undef ACC_EXP
+
+#endif /* GENERAL_SUFFIX */

@@ -152,3 +152,69 @@ def assert_close_rel(actual, expected, bound, what):
     assert error < bound, f"{what}: rel L2 error {error:.3e} >= {bound:.3e}"
     return error
 
+
+
+# ---- per-level point counts, nearest sampling, fused softmax (issue 5) -------------------------
+
+def level_of_points(num_points_list):
+    """The level of each point of a (b, q, h), level 0's points first."""
+    return [level for level, count in enumerate(num_points_list) for _ in range(count)]
+
+
+def kink_free_point_locations(generator, batch, queries, heads, shapes, num_points_list,
+                              margin=0.2):
+    """(B, Q, H, N, 2) locations, N = sum(num_points_list), point i on level level_of[i], whose
+    pixel coordinates loc*W - 0.5 have a fractional part in [margin, 1 - margin]. That keeps
+    them away from bilinear's kinks (integer loc*W - 0.5) and from nearest's jumps (integer
+    loc*W + 0.5) alike. The integer part ranges over [-2, side]: some corners, some whole
+    bilinear samples, fall outside the map (nearest sampling clamps them to the border)."""
+    level_of = level_of_points(num_points_list)
+    heights = torch.tensor([float(shapes[l][0]) for l in level_of], dtype=torch.float64)
+    widths = torch.tensor([float(shapes[l][1]) for l in level_of], dtype=torch.float64)
+    size = (batch, queries, heads, len(level_of))
+    coords = []
+    for sides in (widths, heights):
+        unit = torch.rand(size, generator=generator, dtype=torch.float64)
+        integer = torch.floor(unit * (sides + 3.0)) - 2.0
+        fraction = margin + (1.0 - 2.0 * margin) * torch.rand(size, generator=generator,
+                                                              dtype=torch.float64)
+        coords.append((integer + fraction + 0.5) / sides)
+    return torch.stack(coords, dim=-1)
+
+
+def make_point_inputs(generator, batch, queries, heads, channels, shapes, num_points_list,
+                      dtype=torch.float64, device="cpu", logits=False, index_dtype=torch.int64):
+    """MSDA inputs in the num_points_list layout: sampling_locations (B, Q, H, N, 2) (kink-free),
+    attention_weights (B, Q, H, N): a softmax over the N points, or raw logits (logits=True,
+    for softmax=True). Like make_inputs, drawn in f64 and then cast."""
+    total = sum(h * w for h, w in shapes)
+    points = sum(num_points_list)
+    value = torch.randn(batch, total, heads, channels, generator=generator, dtype=torch.float64)
+    locations = kink_free_point_locations(generator, batch, queries, heads, shapes,
+                                          num_points_list)
+    weights = 2.0 * torch.randn(batch, queries, heads, points, generator=generator,
+                                dtype=torch.float64)
+    if not logits:
+        weights = torch.softmax(weights, -1)
+    return dict(
+        value=value.to(device=device, dtype=dtype),
+        spatial_shapes=torch.tensor(shapes, dtype=index_dtype, device=device),
+        level_start_index=torch.tensor(level_start_index_of(shapes), dtype=index_dtype,
+                                       device=device),
+        sampling_locations=locations.to(device=device, dtype=dtype),
+        attention_weights=weights.to(device=device, dtype=dtype),
+    )
+
+
+def oracle_forward_general(inputs, **options):
+    """oracle.forward_general on an inputs dict; options: num_points_list, nearest, softmax."""
+    return oracle.forward_general(to_numpy(inputs["value"]), to_numpy(inputs["spatial_shapes"]),
+                                  to_numpy(inputs["sampling_locations"]),
+                                  to_numpy(inputs["attention_weights"]), **options)
+
+
+def oracle_backward_general(inputs, grad_output, **options):
+    return oracle.backward_general(to_numpy(inputs["value"]), to_numpy(inputs["spatial_shapes"]),
+                                   to_numpy(inputs["sampling_locations"]),
+                                   to_numpy(inputs["attention_weights"]), to_numpy(grad_output),
+                                   **options)
