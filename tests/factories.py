@@ -69,6 +69,11 @@ def make_inputs(generator, batch, queries, heads, channels, shapes, points,
     logits = torch.randn(batch, queries, heads, levels * points, generator=generator,
                          dtype=torch.float64)
     weights = torch.softmax(logits, -1).reshape(batch, queries, heads, levels, points)
+    return _inputs_dict(value, shapes, locations, weights, device, dtype, index_dtype)
+
+
+def _inputs_dict(value, shapes, locations, weights, device, dtype, index_dtype):
+    """The op's arguments by name, the float ones cast to dtype, all on device."""
     return dict(
         value=value.to(device=device, dtype=dtype),
         spatial_shapes=torch.tensor(shapes, dtype=index_dtype, device=device),
@@ -196,14 +201,7 @@ def make_point_inputs(generator, batch, queries, heads, channels, shapes, num_po
                                 dtype=torch.float64)
     if not logits:
         weights = torch.softmax(weights, -1)
-    return dict(
-        value=value.to(device=device, dtype=dtype),
-        spatial_shapes=torch.tensor(shapes, dtype=index_dtype, device=device),
-        level_start_index=torch.tensor(level_start_index_of(shapes), dtype=index_dtype,
-                                       device=device),
-        sampling_locations=locations.to(device=device, dtype=dtype),
-        attention_weights=weights.to(device=device, dtype=dtype),
-    )
+    return _inputs_dict(value, shapes, locations, weights, device, dtype, index_dtype)
 
 
 def oracle_forward_general(inputs, **options):
