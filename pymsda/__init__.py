@@ -1,7 +1,10 @@
 """pymsda: Multi-Scale Deformable Attention for PyTorch, as a C/CUDA library loaded with ctypes.
 
 The library is built without any PyTorch header, so one build works across PyTorch and Python
-versions. Public API: ms_deform_attn, MSDeformAttnFunction, MSDeformAttn, reference.
+versions. Public API: ms_deform_attn, MSDeformAttnFunction, MSDeformAttn, reference. Where torch
+has torch.library.custom_op (2.4 and later), importing pymsda also registers the operators
+torch.ops.pymsda.ms_deform_attn_forward and torch.ops.pymsda.ms_deform_attn_backward, which
+torch.compile and torch.export trace (pymsda.ops.HAS_TORCH_LIBRARY_OPS says whether they are).
 """
 import torch
 

@@ -1,6 +1,18 @@
-"""The MSDA operator: argument checks, the calls into the C library, and autograd."""
+"""The MSDA operator: argument checks, the calls into the C library, autograd, and the
+torch.library registration that torch.compile and torch.export see.
+
+Two ways in, one implementation. Eager calls take the short way: checks, then ctypes, with one
+torch.autograd.Function (_MSDA) when a gradient is wanted. Where the running torch has
+torch.library.custom_op, the same _forward and _backward are also registered as the ops
+pymsda::ms_deform_attn_forward and pymsda::ms_deform_attn_backward, with fake (shape-only)
+implementations and autograd wired from one to the other; ms_deform_attn calls them when it is
+being traced (torch.compile, torch.export, fake tensors, dispatch modes), where a ctypes call
+cannot be recorded. The dispatcher costs several microseconds a call, so eager calls do not go
+through it.
+"""
 import ctypes
 import os
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -17,19 +29,18 @@ _DTYPE_CODE = {
 }
 _INDEX_CODE = {torch.int64: _lib.INDEX_I64, torch.int32: _lib.INDEX_I32}
 
-# The raw cudaStream_t of the current stream. torch._C._cuda_getCurrentRawStream returns it as an
-# int without building a Stream object; older or unusual torch builds fall back to the public API.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(device_index):
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
+# The raw cudaStream_t of a device's current stream. torch._C._cuda_getCurrentRawStream returns
+# it as an int without building a Stream object; older or unusual torch builds fall back to the
+# public API.
+def _public_current_stream(device_index):
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_current_stream
+
+
 # ---------------------------------------------------------------------------------------------
-# argument checks
+# argument checks (shape-only ones are shared with the fake implementations)
 
 
 def _describe(t):
@@ -62,14 +73,16 @@ _MAX_ELEMENTS = (2 ** 63 - 1) // 8
 def _check_sizes(B, S, H, C, L, Q, P):
     """Refuses sizes the kernels cannot index before anything tries to copy or allocate them
     (an expanded view of such a size costs no memory, its contiguous copy would)."""
-    sizes = f"B={B} S={S} H={H} C={C} L={L} Q={Q} P={P}"
+    if B * H * (S * C + Q * C + Q * L * P * 2) <= _MAX_ELEMENTS:  # the common case, at once
+        return
     for what, count in (("value (B, S, H, C)", B * S * H * C),
                         ("sampling_locations (B, Q, H, L, P, 2)", B * Q * H * L * P * 2),
                         ("the output (B, Q, H*C) of value and sampling_locations",
                          B * Q * H * C)):
         if count > _MAX_ELEMENTS:
             raise ValueError(f"{what} has {count} elements, more than the {_MAX_ELEMENTS} "
-                             f"pymsda can index (64-bit byte offsets): {sizes}")
+                             f"pymsda can index (64-bit byte offsets): "
+                             f"B={B} S={S} H={H} C={C} L={L} Q={Q} P={P}")
 
 
 def _aligned_contiguous(t):
@@ -81,8 +94,159 @@ def _aligned_contiguous(t):
     return t
 
 
-def _validate_requested(validate):
+def _validating(validate):
+    """validate, or PYMSDA_VALIDATE=1. Only asked where it changes something (tables on the
+    GPU), so the common call does not pay for an environment lookup."""
     return validate or os.environ.get("PYMSDA_VALIDATE", "") == "1"
+
+
+def _check_tensors(value, sampling_locations, attention_weights, per_level):
+    """Types, ranks, devices and the sizes value, sampling_locations and attention_weights share.
+    Returns (B, S, H, C, Q, P, L); L is sampling_locations' level count, None without per_level
+    (num_points_list), where P is then the number of points of all levels."""
+    loc_ndim = 6 if per_level else 5
+    try:  # one pass for the common call; the checks below name whatever is wrong
+        ok = (value.dtype in _DTYPE_CODE and sampling_locations.dtype in _DTYPE_CODE
+              and attention_weights.dtype in _DTYPE_CODE and value.dim() == 4
+              and sampling_locations.dim() == loc_ndim
+              and attention_weights.dim() == loc_ndim - 1)
+    except (AttributeError, TypeError):
+        ok = False
+    if not ok or not isinstance(value, torch.Tensor):
+        _check_float_tensor("value", value, 4)
+        _check_float_tensor("sampling_locations", sampling_locations, loc_ndim)
+        _check_float_tensor("attention_weights", attention_weights, loc_ndim - 1)
+    B, S, H, C = value.shape
+    loc_shape = sampling_locations.shape
+    if per_level:
+        Bl, Q, Hl, L, P, two = loc_shape
+    else:
+        Bl, Q, Hl, P, two = loc_shape
+        L = None
+    if two != 2:
+        raise ValueError(f"sampling_locations must have shape {_loc_layout(per_level)}, got "
+                         f"{_describe(sampling_locations)}")
+    if Bl != B or Hl != H:
+        dim, name, expected, got = ("B", "batch", B, Bl) if Bl != B else ("H", "heads", H, Hl)
+        raise ValueError(
+            f"sampling_locations has {name} {dim} = {got} but value has {dim} = {expected}: "
+            f"value {_describe(value)}, sampling_locations {_describe(sampling_locations)}")
+    if attention_weights.shape != loc_shape[:-1]:
+        raise ValueError(
+            f"attention_weights must have shape {_loc_layout(per_level)[:-4]}) = "
+            f"{tuple(loc_shape[:-1])} to match value and sampling_locations, got "
+            f"{_describe(attention_weights)}")
+    device = value.device
+    if sampling_locations.device != device or attention_weights.device != device:
+        name, t = (("sampling_locations", sampling_locations)
+                   if sampling_locations.device != device
+                   else ("attention_weights", attention_weights))
+        raise ValueError(f"{name} is on {t.device} but value is on {device}: all tensors "
+                         "must be on one device")
+    return B, S, H, C, Q, P, L
+
+
+def _loc_layout(per_level):
+    return "(B, Q, H, L, P, 2)" if per_level else "(B, Q, H, sum(num_points_list), 2)"
+
+
+def _point_counts(num_points_list, L):
+    """num_points_list checked against L levels, as a tuple of ints."""
+    try:
+        counts = tuple(int(n) for n in num_points_list)
+        ok = all(float(n).is_integer() for n in num_points_list)
+    except (TypeError, ValueError):
+        raise TypeError(f"num_points_list must be a list of L integers, got {num_points_list!r}") \
+            from None
+    if not ok:
+        raise TypeError(f"num_points_list must hold integers, got {num_points_list!r}")
+    if len(counts) != L:
+        raise ValueError(f"num_points_list has {len(counts)} entries but spatial_shapes names "
+                         f"L = {L} levels: {num_points_list!r}")
+    if any(n < 0 for n in counts) or sum(counts) < 1:
+        raise ValueError(f"num_points_list entries must be >= 0 with a positive sum, got "
+                         f"{num_points_list!r}")
+    return counts
+
+
+_level_points_cache = {}  # (num_points_list as a tuple, L) -> (total, ctypes int64 array)
+
+
+def _level_points(num_points_list, L):
+    """num_points_list checked against L, as (total points, ctypes int64 array, kept alive)."""
+    try:
+        key = (tuple(num_points_list), L)
+        hit = _level_points_cache.get(key)
+    except TypeError:
+        key = hit = None
+    if hit is None:
+        counts = _point_counts(num_points_list, L)
+        hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
+        if key is not None:
+            if len(_level_points_cache) > 256:
+                _level_points_cache.clear()
+            _level_points_cache[key] = hit
+    return hit
+
+
+def _check_levels(L_tables, L, P, num_points_list, sampling_locations, counts_total=None):
+    """The level count of the shape tables against sampling_locations (or num_points_list,
+    whose total, computed by the caller, is counts_total); returns L."""
+    if num_points_list is None:
+        if L_tables != L:
+            raise ValueError(f"spatial_shapes has {L_tables} levels but "
+                             f"sampling_locations has L = {L}: {_describe(sampling_locations)}")
+    else:
+        L = L_tables
+        if counts_total is None:
+            counts_total = sum(_point_counts(num_points_list, L))
+        if counts_total != P:
+            raise ValueError(f"sampling_locations has {P} points per query and head but "
+                             f"num_points_list {list(num_points_list)} sums to {counts_total}: "
+                             f"{_describe(sampling_locations)}")
+    return L
+
+
+def _check_min_sizes(H, C, L, P):
+    if C < 1 or H < 1 or L < 1 or P < 1:
+        raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
+                         "(sampling_locations)")
+
+
+def _check_shapes_tensor(spatial_shapes, device):
+    if spatial_shapes.dtype not in _INDEX_CODE:
+        raise TypeError(
+            f"spatial_shapes must be an int64 or int32 tensor, got {_describe(spatial_shapes)}")
+    if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] < 1:
+        raise ValueError(
+            f"spatial_shapes must have shape (L, 2) with L >= 1, got {_describe(spatial_shapes)}")
+    _check_index_device("spatial_shapes", spatial_shapes, device)
+
+
+def _check_start_index_tensor(level_start_index, L, device):
+    if level_start_index.dtype not in _INDEX_CODE:
+        raise TypeError("level_start_index must be an int64 or int32 tensor, got "
+                        f"{_describe(level_start_index)}")
+    if level_start_index.dim() != 1 or level_start_index.shape[0] != L:
+        raise ValueError(f"level_start_index must have shape ({L},) to match spatial_shapes, "
+                         f"got {_describe(level_start_index)}")
+    _check_index_device("level_start_index", level_start_index, device)
+
+
+def _check_shapes_only(value, spatial_shapes, level_start_index, sampling_locations,
+                       attention_weights, num_points_list):
+    """Every check that needs no numbers (the fake implementations: shapes may be symbolic and
+    the shape tables hold no data). Returns (B, S, H, C, L, Q, P)."""
+    per_level = num_points_list is None
+    B, S, H, C, Q, P, L = _check_tensors(value, sampling_locations, attention_weights, per_level)
+    _check_shapes_tensor(spatial_shapes, value.device)
+    L_tables = spatial_shapes.shape[0]
+    if level_start_index is not None:
+        _check_start_index_tensor(level_start_index, L_tables, value.device)
+    L = _check_levels(L_tables, L, P, num_points_list, sampling_locations)
+    _check_min_sizes(H, C, L, P)
+    _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
+    return B, S, H, C, L, Q, P
 
 
 class _MetaMSDA(torch.autograd.Function):
@@ -102,17 +266,31 @@ class _MetaMSDA(torch.autograd.Function):
         return grads + (None,)
 
 
+# ---------------------------------------------------------------------------------------------
+# shape tables
+
+
 class _Levels:
     """spatial_shapes and level_start_index, as the C library wants them on one device.
 
-    host: the (H, W) pairs when they are known on the host (a list, or a CPU tensor), else None.
+    host: the (H, W) pairs when they are known on the host (a list, or a CPU tensor), else None;
+    host_starts: then the level start offsets, and total the sum of H*W.
     """
 
-    __slots__ = ("shapes", "starts", "index_code", "host")
+    __slots__ = ("shapes", "starts", "index_code", "host", "host_starts", "total")
 
-    def __init__(self, shapes, starts, host):
+    def __init__(self, shapes, starts, host, host_starts=None, total=None):
         self.shapes, self.starts, self.host = shapes, starts, host
+        self.host_starts, self.total = host_starts, total
         self.index_code = _INDEX_CODE[shapes.dtype]
+
+
+def _starts_of(pairs):
+    starts, total = [], 0
+    for h, w in pairs:
+        starts.append(total)
+        total += h * w
+    return starts, total
 
 
 # Level tables built from host-side shapes, per (pairs, device, dtype): a list of shapes is then
@@ -124,23 +302,30 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
     key = (pairs, device, dtype)
     levels = _level_cache.get(key)
     if levels is None:
-        starts, total = [], 0
-        for h, w in pairs:
-            starts.append(total)
-            total += h * w
+        starts, total = _starts_of(pairs)
         shapes = torch.tensor(pairs, dtype=dtype).reshape(len(pairs), 2)
-        starts = torch.tensor(starts, dtype=dtype)
+        starts_tensor = torch.tensor(starts, dtype=dtype)
         if device.type != "cpu":
-            shapes, starts = shapes.to(device), starts.to(device)
-        levels = _Levels(shapes, starts, pairs)
-        if len(_level_cache) > 256:
-            _level_cache.clear()
-        _level_cache[key] = levels
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # The copy would be recorded into the graph, not run: the cached tables would
+                # hold garbage until a replay.
+                raise RuntimeError(
+                    f"pymsda: spatial_shapes {list(pairs)} first seen on {device} inside CUDA "
+                    "graph capture, where its device copy cannot be made; call the op once "
+                    "with these shapes before capturing (the usual warm-up), or pass "
+                    "spatial_shapes and level_start_index as tensors on the device")
+            shapes, starts_tensor = shapes.to(device), starts_tensor.to(device)
+        levels = _Levels(shapes, starts_tensor, pairs, starts, total)
+        if not _tracing():  # under a fake mode these tensors are fake: never keep them
+            if len(_level_cache) > 256:
+                _level_cache.clear()
+            _level_cache[key] = levels
     return levels
 
 
 def _check_pairs(spatial_shapes):
-    """A list of (H, W) pairs as a tuple of positive int pairs, or an exception naming it."""
+    """A list of (H, W) pairs as a tuple of int pairs, each side >= 1, or an exception naming
+    it."""
     try:
         pairs = tuple((int(h), int(w)) for h, w in spatial_shapes)
         ok = all(isinstance(v, int) or float(v).is_integer()
@@ -153,82 +338,80 @@ def _check_pairs(spatial_shapes):
         raise TypeError(f"spatial_shapes must hold integers, got {spatial_shapes!r}")
     if len(pairs) < 1:
         raise ValueError("spatial_shapes must name at least one level, got an empty list")
+    _check_positive(pairs)
     return pairs
 
 
-_pairs_cache = {}  # spatial_shapes given as a list (as a hashable tuple) -> its checked pairs
-
-
-def _host_pairs(spatial_shapes, device, validate=False):
-    """spatial_shapes as a tuple of (H, W) int pairs, checked; None when it lives on the device
-    that runs the op and reading it there would synchronise (unless validate asks for exactly
-    that), or on meta."""
-    if isinstance(spatial_shapes, torch.Tensor):
-        if spatial_shapes.dtype not in _INDEX_CODE:
-            raise TypeError(
-                f"spatial_shapes must be an int64 or int32 tensor, got {_describe(spatial_shapes)}")
-        if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] < 1:
-            raise ValueError(
-                f"spatial_shapes must have shape (L, 2) with L >= 1, got {_describe(spatial_shapes)}")
-        _check_index_device("spatial_shapes", spatial_shapes, device)
-        if spatial_shapes.device.type == "meta":
-            return None
-        if spatial_shapes.device.type != "cpu" and device.type != "cpu" and not validate:
-            return None
-        pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
-    else:
-        try:
-            key = tuple(map(tuple, spatial_shapes))
-            pairs = _pairs_cache.get(key)
-        except TypeError:  # not a sequence of sequences, or unhashable: let the check say why
-            key = pairs = None
-        if pairs is None:
-            pairs = _check_pairs(spatial_shapes)
-            if key is not None and len(_pairs_cache) < 256:
-                _pairs_cache[key] = pairs
+def _check_positive(pairs):
     for level, (h, w) in enumerate(pairs):
         if h < 1 or w < 1:
             raise ValueError(
                 f"spatial_shapes: level {level} has size ({h}, {w}); sizes must be >= 1")
+
+
+_list_levels_cache = {}  # (spatial_shapes given as a list, as a hashable tuple, device) -> _Levels
+
+
+def _levels_from_list(spatial_shapes, device):
+    """The checked level tables of a list of (H, W) pairs on device, cached: the common call
+    costs one tuple and one dictionary lookup."""
+    try:
+        key = (tuple(map(tuple, spatial_shapes)), device)
+        levels = _list_levels_cache.get(key)
+    except TypeError:  # not a sequence of sequences, or unhashable: let the check say why
+        key = levels = None
+    if levels is None:
+        levels = _levels_from_host(_check_pairs(spatial_shapes), device)
+        if key is not None and not _tracing():
+            if len(_list_levels_cache) > 256:
+                _list_levels_cache.clear()
+            _list_levels_cache[key] = levels
+    return levels
+
+
+def _host_pairs(spatial_shapes, device, validate=False):
+    """A spatial_shapes tensor as a tuple of (H, W) int pairs, checked; None when it lives on
+    the device that runs the op and reading it there would synchronise (unless validate asks
+    for exactly that), or on meta."""
+    _check_shapes_tensor(spatial_shapes, device)
+    if spatial_shapes.device.type == "meta":
+        return None
+    if (spatial_shapes.device.type != "cpu" and device.type != "cpu"
+            and not _validating(validate)):
+        return None
+    pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
+    _check_positive(pairs)
     return pairs
 
 
 def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False):
-    pairs = _host_pairs(spatial_shapes, device, validate)
-    if pairs is not None:
-        total = sum(h * w for h, w in pairs)
-        if total != S:
-            raise ValueError(
-                f"spatial_shapes {list(pairs)} cover sum(H*W) = {total} positions but value has "
-                f"S = {S} (value.shape[1])")
+    if isinstance(spatial_shapes, torch.Tensor):
+        pairs = _host_pairs(spatial_shapes, device, validate)
+        levels = None if pairs is None else _levels_from_host(pairs, device, spatial_shapes.dtype)
+    else:
+        levels = _levels_from_list(spatial_shapes, device)
+        pairs = levels.host
+    if levels is not None and levels.total != S:
+        raise ValueError(
+            f"spatial_shapes {list(pairs)} cover sum(H*W) = {levels.total} positions but value "
+            f"has S = {S} (value.shape[1])")
     L = len(pairs) if pairs is not None else spatial_shapes.shape[0]
 
     if level_start_index is not None:
         if not isinstance(level_start_index, torch.Tensor):
             level_start_index = torch.as_tensor(level_start_index)
-        if level_start_index.dtype not in _INDEX_CODE:
-            raise TypeError("level_start_index must be an int64 or int32 tensor, got "
-                            f"{_describe(level_start_index)}")
-        if level_start_index.dim() != 1 or level_start_index.shape[0] != L:
-            raise ValueError(f"level_start_index must have shape ({L},) to match spatial_shapes, "
-                             f"got {_describe(level_start_index)}")
-        _check_index_device("level_start_index", level_start_index, device)
+        _check_start_index_tensor(level_start_index, L, device)
         # Read it where that costs no device synchronisation (or validate asks for one).
-        readable = level_start_index.device.type == "cpu" or device.type == "cpu" or (
-            validate and level_start_index.device.type != "meta")
-        if pairs is not None and readable:
-            expected, total = [], 0
-            for h, w in pairs:
-                expected.append(total)
-                total += h * w
+        if levels is not None and (
+                level_start_index.device.type == "cpu" or device.type == "cpu" or (
+                level_start_index.device.type != "meta" and _validating(validate))):
             given = level_start_index.tolist()
-            if given != expected:
+            if given != levels.host_starts:
                 raise ValueError(f"level_start_index {given} does not match spatial_shapes "
-                                 f"{list(pairs)}: expected {expected}")
+                                 f"{list(pairs)}: expected {levels.host_starts}")
 
-    if pairs is not None:
-        dtype = spatial_shapes.dtype if isinstance(spatial_shapes, torch.Tensor) else torch.int64
-        return _levels_from_host(pairs, device, dtype)
+    if levels is not None:
+        return levels
 
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
@@ -242,37 +425,6 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
     return _Levels(shapes, starts, None)
 
 
-_level_points_cache = {}  # num_points_list as a tuple -> its ctypes int64 array (kept alive)
-
-
-def _level_points(num_points_list, L):
-    """num_points_list checked against L, as (total points, ctypes int64 array)."""
-    key = None
-    try:
-        key = tuple(num_points_list)
-        hit = _level_points_cache.get(key)
-        if hit is not None and len(key) == L:
-            return hit
-        counts = [int(n) for n in key]
-        ok = all(float(n).is_integer() for n in key)
-    except (TypeError, ValueError):
-        raise TypeError(f"num_points_list must be a list of L integers, got {num_points_list!r}") \
-            from None
-    if not ok:
-        raise TypeError(f"num_points_list must hold integers, got {num_points_list!r}")
-    if len(counts) != L:
-        raise ValueError(f"num_points_list has {len(counts)} entries but spatial_shapes names "
-                         f"L = {L} levels: {num_points_list!r}")
-    if any(n < 0 for n in counts) or sum(counts) < 1:
-        raise ValueError(f"num_points_list entries must be >= 0 with a positive sum, got "
-                         f"{num_points_list!r}")
-    hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
-    if len(_level_points_cache) > 256:
-        _level_points_cache.clear()
-    _level_points_cache[key] = hit
-    return hit
-
-
 def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
              validate=False, num_points_list=None):
     """Checks every argument; returns the tensors in the form the C library takes. validate:
@@ -281,70 +433,46 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     attention_weights (B, Q, H, sum(num_points_list)); the returned P is that sum and lp the
     ctypes table of counts (None without num_points_list)."""
     per_level = num_points_list is None
-    loc_shape = "(B, Q, H, L, P, 2)" if per_level else "(B, Q, H, sum(num_points_list), 2)"
-    _check_float_tensor("value", value, 4)
-    _check_float_tensor("sampling_locations", sampling_locations, 6 if per_level else 5)
-    _check_float_tensor("attention_weights", attention_weights, 5 if per_level else 4)
-    B, S, H, C = value.shape
-    if per_level:
-        Bl, Q, Hl, L, P, two = sampling_locations.shape
-    else:
-        Bl, Q, Hl, P, two = sampling_locations.shape
-        L = None
-    if two != 2:
-        raise ValueError(f"sampling_locations must have shape {loc_shape}, got "
-                         f"{_describe(sampling_locations)}")
-    for dim, name, expected, got in (("B", "batch", B, Bl), ("H", "heads", H, Hl)):
-        if got != expected:
-            raise ValueError(
-                f"sampling_locations has {name} {dim} = {got} but value has {dim} = {expected}: "
-                f"value {_describe(value)}, sampling_locations {_describe(sampling_locations)}")
-    expected_attn = sampling_locations.shape[:-1]
-    if attention_weights.shape != expected_attn:
-        raise ValueError(
-            f"attention_weights must have shape {loc_shape[:-4]}) = {tuple(expected_attn)} to "
-            f"match value and sampling_locations, got {_describe(attention_weights)}")
-    device = value.device
-    for name, t in (("sampling_locations", sampling_locations),
-                    ("attention_weights", attention_weights)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but value is on {device}: all tensors "
-                             "must be on one device")
-
-    levels = _prepare_levels(spatial_shapes, level_start_index, S, device, validate)
-    lp = None
-    if per_level:
-        if levels.shapes.shape[0] != L:
-            raise ValueError(f"spatial_shapes has {levels.shapes.shape[0]} levels but "
-                             f"sampling_locations has L = {L}: {_describe(sampling_locations)}")
-    else:
-        L = levels.shapes.shape[0]
-        total, lp = _level_points(num_points_list, L)
-        if total != P:
-            raise ValueError(f"sampling_locations has {P} points per query and head but "
-                             f"num_points_list {list(num_points_list)} sums to {total}: "
-                             f"{_describe(sampling_locations)}")
-    if C < 1 or H < 1 or L < 1 or P < 1:
-        raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
-                         "(sampling_locations)")
+    B, S, H, C, Q, P, L = _check_tensors(value, sampling_locations, attention_weights, per_level)
+    levels = _prepare_levels(spatial_shapes, level_start_index, S, value.device, validate)
+    L_tables = levels.shapes.shape[0]
+    lp = total = None
+    if not per_level:
+        total, lp = _level_points(num_points_list, L_tables)
+    L = _check_levels(L_tables, L, P, num_points_list, sampling_locations, total)
+    _check_min_sizes(H, C, L, P)
     _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
     # Mixed float dtypes (autocast) follow value's dtype.
-    if sampling_locations.dtype != value.dtype:
-        sampling_locations = sampling_locations.to(value.dtype)
-    if attention_weights.dtype != value.dtype:
-        attention_weights = attention_weights.to(value.dtype)
-    return (_aligned_contiguous(value), levels, _aligned_contiguous(sampling_locations),
-            _aligned_contiguous(attention_weights), (B, S, H, C, L, Q, P), lp)
+    dtype = value.dtype
+    if sampling_locations.dtype != dtype:
+        sampling_locations = sampling_locations.to(dtype)
+    if attention_weights.dtype != dtype:
+        attention_weights = attention_weights.to(dtype)
+    value = value.contiguous()
+    sampling_locations = sampling_locations.contiguous()
+    attention_weights = attention_weights.contiguous()
+    # One alignment test for the three (one element size): a misaligned one is rare (only
+    # torch.frombuffer makes one), so the common call reads each pointer once.
+    if (value.data_ptr() | sampling_locations.data_ptr()
+            | attention_weights.data_ptr()) % value.element_size():
+        value, sampling_locations, attention_weights = (
+            _aligned_contiguous(value), _aligned_contiguous(sampling_locations),
+            _aligned_contiguous(attention_weights))
+    return (value, levels, sampling_locations, attention_weights, (B, S, H, C, L, Q, P), lp)
 
 
 # ---------------------------------------------------------------------------------------------
 # calls into the C library
 
+_msda_forward, _msda_backward = lib.msda_forward, lib.msda_backward
+
 
 def _device_args(t):
-    if t.device.type == "cuda":
-        index = t.device.index
+    """(device, stream, num_threads) for the C call: the CUDA ordinal of t and the current
+    stream of that device (not of the current device), or -1 and torch's CPU thread count."""
+    if t.is_cuda:
+        index = t.get_device()
         return index, _current_stream(index), 0
     return -1, None, torch.get_num_threads()
 
@@ -359,10 +487,12 @@ def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     out = value.new_empty((B, Q, H * C))
     device, stream, threads = _device_args(value)
-    _check(lib.msda_forward(
+    status = _msda_forward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(), loc.data_ptr(),
-        attn.data_ptr(), out.data_ptr(), stream))
+        lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(),
+        loc.data_ptr(), attn.data_ptr(), out.data_ptr(), stream)
+    if status:
+        _check(status)
     return out
 
 
@@ -373,8 +503,10 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
     if grad_out.dtype != value.dtype:
         grad_out = grad_out.to(value.dtype)
     # grad_value accumulates in f32 for half types (c/msda.h), then is cast once.
-    acc_dtype = value.dtype if value.dtype in (torch.float32, torch.float64) else torch.float32
-    grad_value = torch.empty(value.shape, dtype=acc_dtype, device=value.device) if need_value else None
+    grad_value = None
+    if need_value:
+        grad_value = (value.new_empty(value.shape) if value.dtype in _FULL_DTYPES
+                      else value.new_empty(value.shape, dtype=torch.float32))
     grad_loc = torch.empty_like(loc) if need_loc else None
     grad_attn = torch.empty_like(attn) if need_attn else None
     device, stream, threads = _device_args(value)
@@ -386,34 +518,55 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
             _check(_lib.ERR_INVALID_ARGUMENT)
         if workspace_bytes > 0:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
-    _check(lib.msda_backward(
+    status = _msda_backward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
         lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(),
         loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
         grad_value.data_ptr() if need_value else None,
         grad_loc.data_ptr() if need_loc else None,
         grad_attn.data_ptr() if need_attn else None,
-        workspace.data_ptr() if workspace is not None else None, workspace_bytes, stream))
+        workspace.data_ptr() if workspace is not None else None, workspace_bytes, stream)
+    if status:
+        _check(status)
     if grad_value is not None and grad_value.dtype != value.dtype:
         grad_value = grad_value.to(value.dtype)
     return grad_value, grad_loc, grad_attn
 
 
+_FULL_DTYPES = (torch.float32, torch.float64)
+
+
+def _grads_of_node(ctx, grad_out):
+    value, loc, attn = ctx.saved_tensors
+    need_value, need_loc, need_attn = ctx.needs_input_grad[:3]
+    levels, sizes, lp, flags = ctx.plan
+    grads = _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
+                      lp, flags)
+    return grads + (None,)
+
+
+_grads_once_differentiable = torch.autograd.function.once_differentiable(_grads_of_node)
+
+
 class _MSDA(torch.autograd.Function):
+    """The eager autograd node (every torch version): forward and backward call C directly."""
+
     @staticmethod
-    def forward(ctx, value, sampling_locations, attention_weights, levels, sizes, lp, flags):
+    def forward(ctx, value, sampling_locations, attention_weights, plan):
+        # plan = (levels, sizes, lp, flags): one argument, so apply() has fewer to look at
         ctx.save_for_backward(value, sampling_locations, attention_weights)
-        ctx.levels, ctx.sizes, ctx.lp, ctx.flags = levels, sizes, lp, flags
+        ctx.plan = plan
+        levels, sizes, lp, flags = plan
         return _forward(value, levels, sampling_locations, attention_weights, sizes, lp, flags)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        value, loc, attn = ctx.saved_tensors
-        need_value, need_loc, need_attn = ctx.needs_input_grad[:3]
-        grads = _backward(grad_out, value, ctx.levels, loc, attn, ctx.sizes,
-                          need_value, need_loc, need_attn, ctx.lp, ctx.flags)
-        return grads + (None,) * 4
+        # The library's gradients are not differentiable again. With create_graph=True (grad
+        # mode on here) once_differentiable makes a second derivative raise instead of being
+        # silently 0; otherwise its no_grad wrapper is skipped (a few microseconds a call).
+        if torch.is_grad_enabled():
+            return _grads_once_differentiable(ctx, grad_out)
+        return _grads_of_node(ctx, grad_out)
 
 
 def _library_serves(device):
@@ -421,6 +574,185 @@ def _library_serves(device):
 
 
 _has_cuda_kernels = bool(lib.msda_has_cuda())
+
+
+def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
+    """The pure-PyTorch op, for a device the library does not serve (a GPU without the
+    library's CUDA kernels, MPS, ...)."""
+    from .reference import ms_deform_attn_pytorch
+    return ms_deform_attn_pytorch(
+        value, spatial_shapes, loc, attn, num_points_list=num_points_list,
+        sampling="nearest" if flags & _lib.FLAG_NEAREST else "bilinear",
+        softmax=bool(flags & _lib.FLAG_SOFTMAX))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: pymsda::ms_deform_attn_forward and pymsda::ms_deform_attn_backward
+#
+# Schema (the tensors as ms_deform_attn documents them; spatial_shapes is always a tensor here):
+#   ms_deform_attn_forward(Tensor value, Tensor spatial_shapes, Tensor? level_start_index,
+#       Tensor sampling_locations, Tensor attention_weights, SymInt[]? num_points_list,
+#       SymInt flags) -> Tensor
+#   ms_deform_attn_backward(Tensor grad_output, <the forward's arguments>, bool need_value,
+#       bool need_sampling_locations, bool need_attention_weights) -> (Tensor, Tensor, Tensor)
+# flags is a bitwise OR of msda_flags (c/msda.h). A gradient that is not needed comes back as an
+# empty (0,) tensor; the gradients have the dtypes of value, sampling_locations and
+# attention_weights.
+
+
+def _forward_impl(value: torch.Tensor, spatial_shapes: torch.Tensor,
+                  level_start_index: Optional[torch.Tensor], sampling_locations: torch.Tensor,
+                  attention_weights: torch.Tensor, num_points_list: Optional[List[int]],
+                  flags: int) -> torch.Tensor:
+    value, levels, loc, attn, sizes, lp = _prepare(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        num_points_list=num_points_list)
+    return _forward(value, levels, loc, attn, sizes, lp, flags)
+
+
+def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
+                  attention_weights, num_points_list, flags):
+    B, S, H, C, L, Q, P = _check_shapes_only(value, spatial_shapes, level_start_index,
+                                             sampling_locations, attention_weights,
+                                             num_points_list)
+    return value.new_empty((B, Q, H * C))
+
+
+def _check_grad_output(grad_output, B, Q, H, C, device):
+    """The backward op's grad_output (autograd guarantees it for the eager node; a direct caller
+    of the op does not, and the library cannot check its size)."""
+    if not isinstance(grad_output, torch.Tensor):
+        raise TypeError(f"grad_output must be a torch.Tensor, got {type(grad_output).__name__}")
+    if (grad_output.shape != (B, Q, H * C) or grad_output.device != device
+            or not grad_output.is_floating_point()):
+        raise ValueError(f"grad_output must be a float tensor of shape {(B, Q, H * C)} on "
+                         f"{device}, got {_describe(grad_output)}")
+
+
+def _backward_impl(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
+                   level_start_index: Optional[torch.Tensor], sampling_locations: torch.Tensor,
+                   attention_weights: torch.Tensor, num_points_list: Optional[List[int]],
+                   flags: int, need_value: bool, need_sampling_locations: bool,
+                   need_attention_weights: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    v, levels, loc, attn, sizes, lp = _prepare(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        num_points_list=num_points_list)
+    B, S, H, C, L, Q, P = sizes
+    _check_grad_output(grad_output, B, Q, H, C, v.device)
+    grads = _backward(grad_output, v, levels, loc, attn, sizes, need_value,
+                      need_sampling_locations, need_attention_weights, lp, flags)
+    return tuple(torch.empty((0,), dtype=like.dtype, device=like.device) if grad is None
+                 else grad.to(like.dtype)
+                 for grad, like in zip(grads, (value, sampling_locations, attention_weights)))
+
+
+def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights, num_points_list, flags, need_value,
+                   need_sampling_locations, need_attention_weights):
+    B, S, H, C, L, Q, P = _check_shapes_only(value, spatial_shapes, level_start_index,
+                                             sampling_locations, attention_weights,
+                                             num_points_list)
+    _check_grad_output(grad_output, B, Q, H, C, value.device)
+    return tuple(like.new_empty(like.shape if need else (0,)) for like, need in (
+        (value, need_value), (sampling_locations, need_sampling_locations),
+        (attention_weights, need_attention_weights)))
+
+
+def _setup_context(ctx, inputs, output):
+    value, spatial_shapes, level_start_index, loc, attn, num_points_list, flags = inputs
+    ctx.save_for_backward(value, spatial_shapes, level_start_index, loc, attn)
+    ctx.num_points_list, ctx.flags = num_points_list, flags
+
+
+def _backward_formula(ctx, grad_output):
+    value, spatial_shapes, level_start_index, loc, attn = ctx.saved_tensors
+    need_value, _, _, need_loc, need_attn = ctx.needs_input_grad[:5]
+    grad_value, grad_loc, grad_attn = _backward_op(
+        grad_output, value, spatial_shapes, level_start_index, loc, attn, ctx.num_points_list,
+        ctx.flags, need_value, need_loc, need_attn)
+    return (grad_value if need_value else None, None, None, grad_loc if need_loc else None,
+            grad_attn if need_attn else None, None, None)
+
+
+def _register():
+    """The two ops, or (None, None) on a torch without torch.library.custom_op (< 2.4): the
+    eager path needs none of it."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None, None
+    forward_op = custom_op("pymsda::ms_deform_attn_forward", mutates_args=())(_forward_impl)
+    backward_op = custom_op("pymsda::ms_deform_attn_backward", mutates_args=())(_backward_impl)
+    forward_op.register_fake(_forward_fake)
+    backward_op.register_fake(_backward_fake)
+    forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
+    return forward_op, backward_op
+
+
+_forward_op, _backward_op = _register()
+HAS_TORCH_LIBRARY_OPS = _forward_op is not None
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 0)
+_EAGER_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tracing():
+    """torch.compile or torch.export tracing, or a dispatch mode (fake tensors, make_fx,
+    FlopCounterMode): tensors made now may not be real, so nothing is cached."""
+    return _is_compiling() or _dispatch_modes() > 0
+
+
+def _traced(value, sampling_locations, attention_weights):
+    """Whether this call must go through the dispatcher to be seen: _tracing(), or a tensor
+    subclass. Plain tensors in eager mode answer False within a few hundred nanoseconds."""
+    if _is_compiling() or _dispatch_modes():
+        return True
+    for t in (value, sampling_locations, attention_weights):
+        if type(t) not in _EAGER_TYPES and isinstance(t, torch.Tensor):
+            return True
+    return False
+
+
+def _ms_deform_attn_traced(value, spatial_shapes, level_start_index, sampling_locations,
+                           attention_weights, num_points_list, flags):
+    """ms_deform_attn through pymsda::ms_deform_attn_forward. Written for torch.compile to
+    trace: no data is read; host-side shape lists are checked here and become constant tensors
+    of the graph; the op's fake implementation checks the rest, its real one checks again."""
+    per_level = num_points_list is None
+    _check_float_tensor("value", value, 4)
+    _check_float_tensor("sampling_locations", sampling_locations, 6 if per_level else 5)
+    _check_float_tensor("attention_weights", attention_weights, 5 if per_level else 4)
+    device = value.device
+    if not isinstance(spatial_shapes, torch.Tensor):
+        pairs = _check_pairs(spatial_shapes)
+        starts, total = _starts_of(pairs)
+        if total != value.shape[1]:
+            raise ValueError(
+                f"spatial_shapes {list(pairs)} cover sum(H*W) = {total} positions but value "
+                f"has S = {value.shape[1]} (value.shape[1])")
+        if level_start_index is not None and not isinstance(level_start_index, torch.Tensor):
+            if [int(s) for s in level_start_index] != starts:
+                raise ValueError(f"level_start_index {list(level_start_index)} does not match "
+                                 f"spatial_shapes {list(pairs)}: expected {starts}")
+            level_start_index = None
+        spatial_shapes = torch.tensor(pairs, dtype=torch.int64, device=device)
+        if level_start_index is None:
+            level_start_index = torch.tensor(starts, dtype=torch.int64, device=device)
+    elif level_start_index is not None and not isinstance(level_start_index, torch.Tensor):
+        level_start_index = torch.tensor([int(s) for s in level_start_index],
+                                         dtype=spatial_shapes.dtype, device=device)
+    if not per_level:
+        num_points_list = list(_point_counts(num_points_list, spatial_shapes.shape[0]))
+    if not _library_serves(device):
+        return _reference(value, spatial_shapes, sampling_locations.to(value.dtype),
+                          attention_weights.to(value.dtype), num_points_list, flags)
+    if sampling_locations.dtype != value.dtype:
+        sampling_locations = sampling_locations.to(value.dtype)
+    if attention_weights.dtype != value.dtype:
+        attention_weights = attention_weights.to(value.dtype)
+    return _forward_op(value, spatial_shapes, level_start_index, sampling_locations,
+                       attention_weights, num_points_list, flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +812,8 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
             The environment variable PYMSDA_VALIDATE=1 turns it on for every call. Without it,
             device-side tables are trusted: tables that disagree with value give wrong numbers
             but never a read or write outside the tensors. Host-side tables (a list or a CPU
-            tensor) are always checked.
+            tensor) are always checked. Under torch.compile and torch.export the op checks
+            device-side tables only with PYMSDA_VALIDATE=1 (read when the compiled code runs).
 
     Returns:
         (B, Q, H * C) tensor of value's dtype:
@@ -501,27 +834,45 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         non-finite (Inf weight), as do the location gradient of that point and grad_value at
         its corners; its own weight gradient (the bilinear sample) stays finite.
 
+    Autocast (dtype rule):
+        The op runs in value's dtype and casts sampling_locations and attention_weights to it;
+        it is not itself on an autocast list. Under torch.autocast("cuda", torch.bfloat16) a
+        value projected by an nn.Linear is bfloat16, so the op runs in bfloat16 (accumulating in
+        float32) even where the locations or the softmaxed weights are float32; their
+        gradients come back in their own dtypes. To run it in float32 under autocast, pass
+        value.float().
+
+    torch.compile, torch.export, CUDA graphs:
+        Where torch has torch.library.custom_op (2.4 and later) the op is registered as
+        torch.ops.pymsda.ms_deform_attn_forward / ms_deform_attn_backward with fake
+        implementations and autograd, so torch.compile(fullgraph=True) and torch.export trace
+        it without a graph break (a list of shapes becomes a constant tensor of the graph).
+        Eager calls skip the dispatcher and call the library directly. Nothing in the op reads
+        a GPU tensor on the host or synchronises (validate aside), and a list of shapes is
+        copied to each device once and cached, so calls can be captured in CUDA graphs once
+        the op has run with those shapes outside capture.
+
     Raises:
         TypeError for a wrong type or dtype and ValueError for a wrong shape, size, device or
         shape table, each naming the argument; ValueError or RuntimeError from the library
         (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
     flags = _flags(sampling, softmax, deterministic)
+    if HAS_TORCH_LIBRARY_OPS and _traced(value, sampling_locations, attention_weights):
+        return _ms_deform_attn_traced(value, spatial_shapes, level_start_index,
+                                      sampling_locations, attention_weights, num_points_list,
+                                      flags)
     value, levels, loc, attn, sizes, lp = _prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        _validate_requested(validate), num_points_list)
-    if value.device.type == "meta":
-        return _MetaMSDA.apply(value, loc, attn, sizes)
-    if not _library_serves(value.device):
-        from .reference import ms_deform_attn_pytorch
-        if lp is not None or flags & (_lib.FLAG_NEAREST | _lib.FLAG_SOFTMAX):
-            raise NotImplementedError(
-                f"pymsda: this build of the library has no CUDA kernels, and the pure-PyTorch "
-                f"fallback on {value.device} supports neither num_points_list, "
-                f"sampling='nearest' nor softmax=True (rebuild with nvcc on the PATH)")
-        return ms_deform_attn_pytorch(value, levels.shapes, loc, attn)
+        validate, num_points_list)
+    device = value.device
+    if not _library_serves(device):
+        if device.type == "meta":
+            return _MetaMSDA.apply(value, loc, attn, sizes)
+        return _reference(value, levels.host if levels.host is not None else levels.shapes,
+                          loc, attn, num_points_list, flags)
     if torch.is_grad_enabled() and (value.requires_grad or loc.requires_grad or attn.requires_grad):
-        return _MSDA.apply(value, loc, attn, levels, sizes, lp, flags)
+        return _MSDA.apply(value, loc, attn, (levels, sizes, lp, flags))
     return _forward(value, levels, loc, attn, sizes, lp, flags)  # no graph: skip autograd
 
 

@@ -4,16 +4,64 @@ CUDA tests carry `requires_cuda`: they skip (never fail) where torch sees no GPU
 was built without CUDA kernels, and run unchanged on a GPU machine. Every test draws its random
 inputs from `generator`, seeded from the test's node id: reproducible, yet different for every
 test and every parametrised case.
+
+Features an older torch lacks are detected, not inferred from its version number: a test that
+needs one skips with `requires_torch_feature(...)`, whose reason names the feature and the torch.
+With PYMSDA_TEST_INSTALLED=1 (tests/matrix.py sets it) the session refuses to start unless pymsda
+was imported from an installed wheel rather than from this source checkout.
 """
+import os
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pymsda
 from factories import seed_of
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_report_header(config):
+    return (f"pymsda: {os.path.dirname(pymsda.__file__)} (library {pymsda.library_path()}); "
+            f"torch {torch.__version__}")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYMSDA_TEST_INSTALLED") == "1":
+        for what, path in (("package", pymsda.__file__), ("library", pymsda.library_path())):
+            if os.path.realpath(path).startswith(os.path.realpath(REPO) + os.sep):
+                raise pytest.UsageError(f"PYMSDA_TEST_INSTALLED=1 but pymsda's {what} comes from "
+                                        f"the source checkout: {path}")
+
 
 def cuda_usable():
     return torch.cuda.is_available() and pymsda.has_cuda()
+
+
+def grid_sample_supports(dtype, device="cpu"):
+    """Whether this torch's grid_sample (the reference) has a kernel for dtype on device: torch
+    1.13 has none for float16/bfloat16 on the CPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        F.grid_sample(torch.zeros(1, 1, 2, 2, dtype=dtype, device=device),
+                      torch.zeros(1, 1, 1, 2, dtype=dtype, device=device), align_corners=False)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def requires_torch_feature(available, feature):
+    """A skip mark for tests that need `feature`, which this torch lacks when not available."""
+    return pytest.mark.skipif(not available,
+                              reason=f"torch {torch.__version__} has no {feature}")
+
+
+def skip_unless_grid_sample_supports(dtype, device):
+    if not grid_sample_supports(dtype, device):
+        pytest.skip(f"torch {torch.__version__}: grid_sample (the reference) has no {dtype} "
+                    f"kernel on {device}")
 
 
 requires_cuda = pytest.mark.skipif(
