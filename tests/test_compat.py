@@ -4,6 +4,7 @@ compute the f64 oracle's numbers (tests/oracle.py). CPU always; CUDA where a GPU
 """
 import importlib
 import inspect
+import math
 import sys
 
 import pytest
@@ -182,6 +183,34 @@ def test_install_unmodified_extension_function_gradcheck(generator, device, inst
     assert torch.autograd.gradcheck(function, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["kernel", "recompute"])
+def test_install_backward_matches_pymsda_autograd(generator, device, dtype, path,
+                                                 installed_extension, monkeypatch):
+    """MSDA.ms_deform_attn_backward == pymsda's autograd gradients, bitwise, for every dtype,
+    through the backward kernel directly and through the recompute fallback (older torch, a
+    list of shapes, a device the library has no kernels for); each gradient has its input's
+    shape and dtype and records no graph, even for inputs that require grad."""
+    if path == "recompute":
+        monkeypatch.setattr(installed_extension, "_kernel_backward_serves", lambda *a: False)
+    inputs = plain_inputs(generator, device, dtype=dtype)
+    args = [inputs[k] for k in ("value", "spatial_shapes", "level_start_index",
+                                "sampling_locations", "attention_weights")]
+    grad_output = random_grad_output(generator, pymsda.ms_deform_attn(*args))
+    out, expected = gradients(pymsda.ms_deform_attn, inputs, grad_output,
+                              inputs["spatial_shapes"], inputs["level_start_index"])
+    leaves = [t.clone().requires_grad_(True) if t.is_floating_point() else t for t in args]
+    forward = installed_extension.ms_deform_attn_forward(*leaves, 64)
+    assert torch.equal(forward, out.detach()) and forward.grad_fn is None
+    grads = installed_extension.ms_deform_attn_backward(*leaves, grad_output, 64)
+    assert isinstance(grads, list) and len(grads) == 3
+    for grad, name in zip(grads, GRAD_NAMES):
+        assert grad.dtype == dtype and grad.shape == inputs[name].shape, name
+        assert not grad.requires_grad, name
+        assert torch.equal(grad, expected[name]), name
+
+
 # ---- mmcv -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -250,6 +279,67 @@ def test_transformers_function_matches_oracle(generator, device):
         inputs["value"], inputs["spatial_shapes"], inputs["level_start_index"],
         inputs["sampling_locations"], inputs["attention_weights"], 64)
     assert rel_l2(out, oracle_forward(inputs)) < F64_BOUND
+
+
+def _kernel_layer_forward(self, value, value_spatial_shapes, value_spatial_shapes_list,
+                          level_start_index, sampling_locations, attention_weights, im2col_step):
+    return pymsda.reference.ms_deform_attn_pytorch(value, value_spatial_shapes_list,
+                                                   sampling_locations, attention_weights)
+
+
+def _wrapped_forward(self, *args, **kwargs):
+    raise AssertionError("a layer outside transformers with a wrapped forward is kept")
+
+
+def _layer_class(forward):
+    """A class named like transformers' kernel layer (no weights) with the given forward."""
+    return type("MultiScaleDeformableAttention", (torch.nn.Module,), {"forward": forward})
+
+
+class _WeightedNamesake(torch.nn.Module):
+    """Like mmcv's module of the same name: weights and another forward. Never replaced."""
+
+    def __init__(self):
+        super().__init__()
+        self.value_proj = torch.nn.Linear(4, 4)
+
+    def forward(self, query, key=None, value=None):
+        return query
+
+
+_WeightedNamesake.__name__ = "MultiScaleDeformableAttention"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transformers_replace_kernel_layers(generator, device):
+    HFLayer = _layer_class(_kernel_layer_forward)  # the pure-PyTorch kernel layer's stand-in
+    Wrapped = _layer_class(_wrapped_forward)  # (*args, **kwargs), not from transformers
+
+    class Attention(torch.nn.Module):  # the shape of DeformableDetrMultiscaleDeformableAttention
+        def __init__(self):
+            super().__init__()
+            self.attn = HFLayer()
+            self.output_proj = torch.nn.Linear(8, 8)
+
+    model = torch.nn.ModuleDict({
+        "encoder": torch.nn.ModuleList([Attention(), Attention()]),
+        "decoder": Attention(), "other": Wrapped(), "mmcv_like": _WeightedNamesake()}).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = plain_inputs(generator, device)
+    args = (inputs["value"], inputs["spatial_shapes"], SHAPES, inputs["level_start_index"],
+            inputs["sampling_locations"], inputs["attention_weights"], 64)
+    before = model["decoder"].attn(*args)
+
+    assert transformers.replace_kernel_layers(model) == 3
+    for layer in (model["encoder"][0].attn, model["encoder"][1].attn, model["decoder"].attn):
+        assert type(layer) is transformers.MultiScaleDeformableAttention and not layer.training
+    assert type(model["other"]) is Wrapped and type(model["mmcv_like"]) is _WeightedNamesake
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    after = model["decoder"].attn(*args)
+    assert after.shape == before.shape and after.dtype == before.dtype
+    assert rel_l2(after, before) < F64_BOUND
+    assert transformers.replace_kernel_layers(model) == 0  # already pymsda's
 
 
 # ---- RT-DETR and RT-DETRv2 --------------------------------------------------------------------
@@ -372,6 +462,105 @@ def test_rtdetr_v2_module_parameters_buffers_and_init():
     assert module.load_state_dict(module.state_dict(), strict=True) is not None
 
 
+@pytest.mark.parametrize("num_points", [4, [3, 1, 2]])
+def test_rtdetr_v2_module_init_every_head(num_points):
+    """Every head's initial offsets: weight 0; bias = the head's direction (angle 2*pi*h/heads,
+    scaled so its larger component is 1) times k for the k-th point (k = 1, 2, ...) of each
+    level; int and list point counts give the same state_dict keys (what the original
+    registers), and the helper buffer is not among them."""
+    heads, levels, dim = 6, 3, 24
+    module = rtdetr.MSDeformableAttention(dim, heads, levels, num_points)
+    counts = num_points if isinstance(num_points, list) else [num_points] * levels
+    total = sum(counts)
+    assert set(module.state_dict()) == {
+        "num_points_scale", "sampling_offsets.weight", "sampling_offsets.bias",
+        "attention_weights.weight", "attention_weights.bias", "value_proj.weight",
+        "value_proj.bias", "output_proj.weight", "output_proj.bias"}
+    assert module.num_points_list == counts and module.total_points == heads * total
+    torch.testing.assert_close(module.num_points_scale, torch.tensor(
+        [1.0 / n for n in counts for _ in range(n)]), rtol=0, atol=0)
+    assert torch.count_nonzero(module.sampling_offsets.weight) == 0
+    bias = module.sampling_offsets.bias.detach().double().view(heads, total, 2)
+    for h in range(heads):
+        angle = 2 * math.pi * h / heads
+        direction = torch.tensor([math.cos(angle), math.sin(angle)], dtype=torch.float64)
+        direction = direction / direction.abs().max()
+        steps = [k for n in counts for k in range(1, n + 1)]
+        expected = torch.stack([direction * k for k in steps])
+        torch.testing.assert_close(bias[h], expected, rtol=0, atol=1e-6)
+    assert torch.count_nonzero(module.attention_weights.weight) == 0
+    assert torch.count_nonzero(module.attention_weights.bias) == 0
+    assert torch.count_nonzero(module.value_proj.bias) == 0
+    assert torch.count_nonzero(module.output_proj.bias) == 0
+
+
+def test_rtdetr_v2_module_loads_rtdetr_v1_checkpoints():
+    """RT-DETR (v1)'s MSDeformableAttention: the same parameters (uniform point count), no
+    num_points_scale buffer. Its checkpoints load strictly; the buffer keeps 1 / num_points;
+    a key that is really missing (a parameter) is still reported."""
+    module = rtdetr.MSDeformableAttention(32, 4, 3, 2)
+    v1 = {k: torch.randn(v.shape) for k, v in module.state_dict().items()
+          if k != "num_points_scale"}
+    module.load_state_dict(v1, strict=True)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in v1.items())
+    torch.testing.assert_close(module.num_points_scale, torch.full((6,), 0.5))
+    wrapped = torch.nn.ModuleDict({"cross_attn": rtdetr.MSDeformableAttention(32, 4, 3, 2)})
+    wrapped.load_state_dict({"cross_attn." + k: v for k, v in v1.items()}, strict=True)
+    incomplete = dict(v1)
+    del incomplete["value_proj.bias"]
+    with pytest.raises(RuntimeError, match="value_proj.bias"):
+        module.load_state_dict(incomplete, strict=True)
+    scaled = dict(v1, num_points_scale=torch.full((6,), 0.25))  # a v2 checkpoint's own buffer
+    module.load_state_dict(scaled, strict=True)
+    torch.testing.assert_close(module.num_points_scale, torch.full((6,), 0.25))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reference", ["boxes", "points_per_level"])
+def test_rtdetr_v2_module_sampling_locations_follow_rtdetrv2(generator, device, reference):
+    """The module's forward == RT-DETRv2's math written out here in f64 on the pure-PyTorch
+    core. Boxes (bs, Lq, 1, 4): loc = (cx, cy) + offset * num_points_scale * (w, h) *
+    offset_scale, num_points_scale = 1 / n_l (n_l the point count of the point's level).
+    Points (bs, Lq, n_levels, 2): loc = ref_l + offset / (W_l, H_l). value_mask (True = keep)
+    zeroes the projected value."""
+    counts, heads, dim = [2, 3, 1], 2, 8
+    module = rtdetr.MSDeformableAttention(dim, heads, 3, counts, offset_scale=0.7)
+    module = module.double().to(device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator, dtype=p.dtype).to(device))
+    bs, Lq, S, total = 2, 4, sum(h * w for h, w in SHAPES), sum(counts)
+    query = torch.randn(bs, Lq, dim, generator=generator, dtype=torch.float64).to(device)
+    memory = torch.randn(bs, S, dim, generator=generator, dtype=torch.float64).to(device)
+    mask = (torch.rand(bs, S, generator=generator) > 0.3).to(device)
+    if reference == "boxes":
+        ref = torch.rand(bs, Lq, 1, 4, generator=generator, dtype=torch.float64).to(device)
+    else:
+        ref = torch.rand(bs, Lq, 3, 2, generator=generator, dtype=torch.float64).to(device)
+    out = module(query, ref, memory, SHAPES, mask)
+
+    value = module.value_proj(memory) * mask[..., None].double()
+    value = value.view(bs, S, heads, dim // heads)
+    offsets = module.sampling_offsets(query).view(bs, Lq, heads, total, 2)
+    weights = module.attention_weights(query).view(bs, Lq, heads, total).softmax(-1)
+    level = [l for l, n in enumerate(counts) for _ in range(n)]
+    loc = torch.empty_like(offsets)
+    for point, l in enumerate(level):
+        if reference == "boxes":
+            # num_points_scale holds 1 / n_l in float32, as the original's buffer does
+            loc[:, :, :, point] = (ref[:, :, None, 0, :2] + offsets[:, :, :, point]
+                                   * module.num_points_scale[point] * ref[:, :, None, 0, 2:]
+                                   * 0.7)
+        else:
+            h, w = SHAPES[l]
+            size = torch.tensor([w, h], dtype=torch.float64, device=device)
+            loc[:, :, :, point] = ref[:, :, None, l] + offsets[:, :, :, point] / size
+    expected = module.output_proj(pymsda.reference.ms_deform_attn_pytorch(
+        value, SHAPES, loc, weights, num_points_list=counts))
+    assert out.shape == (bs, Lq, dim) and out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-11, atol=1e-12)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["default", "discrete"])
 @pytest.mark.parametrize("reference_dim", [2, 4])
@@ -426,6 +615,22 @@ def test_paddle_ms_deformable_attn_matches_oracle(generator, device):
     assert_matches_oracle(out, grads, inputs, grad_output)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shapes_as", ["list", "tensor"])
+def test_paddle_core_func_fallback_name_matches_oracle(generator, device, shapes_as):
+    """PaddleDetection's fallback takes value_level_start_index as its third argument."""
+    assert parameter_names(paddle.deformable_attention_core_func) == [
+        "value", "value_spatial_shapes", "value_level_start_index", "sampling_locations",
+        "attention_weights"]
+    inputs = plain_inputs(generator, device)
+    shapes = SHAPES if shapes_as == "list" else inputs["spatial_shapes"]
+    grad_output = random_grad_output(generator, pymsda.ms_deform_attn(**inputs))
+    out, grads = gradients(paddle.deformable_attention_core_func, inputs, grad_output,
+                           shapes, inputs["level_start_index"])
+    assert out.shape == (2, 6, 8)
+    assert_matches_oracle(out, grads, inputs, grad_output)
+
+
 # ---- dtypes through every compat entry point ----------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -440,5 +645,49 @@ def test_compat_outputs_keep_value_dtype(generator, device, dtype):
                 transformers.MultiScaleDeformableAttention()(args[0], args[1], SHAPES, *args[2:],
                                                              64),
                 paddle.ms_deformable_attn(*args),
+                paddle.deformable_attention_core_func(*args),
                 rtdetr.deformable_attention_core_func(args[0], SHAPES, *args[3:])):
         assert out.dtype == dtype and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["default", "discrete"])
+def test_rtdetr_v2_output_shape_and_dtype(generator, device, dtype, method):
+    """(bs, query_length, n_head * c) in value's dtype, from either value layout, equal to
+    pymsda.ms_deform_attn with the same options."""
+    inputs = v2_inputs(generator, device)
+    value = inputs["value"].to(dtype)
+    loc, attn = inputs["sampling_locations"].to(dtype), inputs["attention_weights"].to(dtype)
+    expected = pymsda.ms_deform_attn(value, SHAPES, None, loc, attn, num_points_list=[3, 1, 2],
+                                     sampling="nearest" if method == "discrete" else "bilinear")
+    levels = list(value.permute(0, 2, 3, 1).split([h * w for h, w in SHAPES], dim=-1))
+    for v in (value, levels):
+        out = rtdetr.deformable_attention_core_func_v2(v, SHAPES, loc, attn, [3, 1, 2],
+                                                       method=method)
+        assert out.shape == (2, 5, 8) and out.dtype == dtype
+        assert torch.equal(out, expected)
+
+
+def test_compat_entry_points_are_exported():
+    """Each module's __all__ names what it defines, and the originals' names are all there."""
+    expected = {
+        deformable_detr: {"MSDeformAttnFunction", "ms_deform_attn_core_pytorch", "MSDeformAttn"},
+        mmcv: {"MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch"},
+        transformers: {"MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
+                       "replace_kernel_layers"},
+        rtdetr: {"deformable_attention_core_func", "deformable_attention_core_func_v2",
+                 "MSDeformableAttention"},
+        paddle: {"ms_deformable_attn", "deformable_attention_core_func"},
+    }
+    for module, names in expected.items():
+        assert set(module.__all__) == names, module.__name__
+        assert all(callable(getattr(module, name)) for name in names), module.__name__
+    extension = importlib.import_module("pymsda.compat.extension")
+    assert set(extension.__all__) == {"ms_deform_attn_forward", "ms_deform_attn_backward"}
+    assert parameter_names(extension.ms_deform_attn_forward) == [
+        "value", "value_spatial_shapes", "value_level_start_index", "sampling_locations",
+        "attention_weights", "im2col_step"]
+    assert parameter_names(extension.ms_deform_attn_backward) == [
+        "value", "value_spatial_shapes", "value_level_start_index", "sampling_locations",
+        "attention_weights", "grad_output", "im2col_step"]

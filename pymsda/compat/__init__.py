@@ -7,10 +7,12 @@ and modules keep their parameter names, so checkpoints load unchanged.
     deformable_detr  Deformable DETR: MSDeformAttnFunction, ms_deform_attn_core_pytorch,
                      MSDeformAttn; install() for `import MultiScaleDeformableAttention as MSDA`
     mmcv             MultiScaleDeformableAttnFunction, multi_scale_deformable_attn_pytorch
-    transformers     the MultiScaleDeformableAttention kernel layer of HF transformers
+    transformers     the MultiScaleDeformableAttention kernel layer of HF transformers, and
+                     replace_kernel_layers(model) to put it into a built transformers model
     rtdetr           RT-DETR's deformable_attention_core_func, RT-DETRv2's
                      deformable_attention_core_func_v2 and its MSDeformableAttention module
-    paddle           ms_deformable_attn, the Paddle RT-DETR ext_op's call shape, on torch tensors
+    paddle           ms_deformable_attn, the Paddle RT-DETR ext_op's call shape, on torch
+                     tensors (and deformable_attention_core_func, its fallback's name)
 
 Functions named *_pytorch run the pure-PyTorch reference (grid_sample), as their originals do;
 everything else runs pymsda's C/CUDA kernels.

@@ -9,15 +9,18 @@ pymsda; pymsda.compat.install() registers this module under that name.
 
 Shapes as in pymsda.ms_deform_attn: value (B, S, H, C), spatial_shapes (L, 2),
 level_start_index (L,), sampling_locations (B, Q, H, L, P, 2), attention_weights
-(B, Q, H, L, P), output and grad_output (B, Q, H*C). im2col_step is accepted and ignored (any
-batch size works). Like the extension, neither function records an autograd graph: the caller's
-autograd.Function does that.
+(B, Q, H, L, P), output and grad_output (B, Q, H*C); each gradient has the shape and dtype of
+its input. im2col_step is accepted and ignored (any batch size works). Like the extension,
+neither function records an autograd graph: the caller's autograd.Function does that.
 """
 import torch
 
+from .. import _lib, ops
 from ..ops import ms_deform_attn
 
 __all__ = ["ms_deform_attn_forward", "ms_deform_attn_backward"]
+
+_LIBRARY_HAS_CUDA = bool(_lib.lib.msda_has_cuda())
 
 
 def ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index,
@@ -27,9 +30,29 @@ def ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index,
                               sampling_locations, attention_weights)
 
 
+def _kernel_backward_serves(value, value_spatial_shapes):
+    """Whether the registered backward op (torch.ops.pymsda.ms_deform_attn_backward) can run
+    this call directly: it exists (torch >= 2.4), the shapes are a tensor, and the library has
+    kernels for value's device."""
+    if not (ops.HAS_TORCH_LIBRARY_OPS and isinstance(value, torch.Tensor)
+            and isinstance(value_spatial_shapes, torch.Tensor)):
+        return False
+    return value.device.type == "cpu" or (value.device.type == "cuda" and _LIBRARY_HAS_CUDA)
+
+
 def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index,
                             sampling_locations, attention_weights, grad_output, im2col_step):
-    # Through pymsda's autograd: one forward is recomputed, the backward is pymsda's kernel.
+    if _kernel_backward_serves(value, value_spatial_shapes):
+        # Straight into pymsda's backward kernel, no forward recomputed.
+        flags = _lib.FLAG_DETERMINISTIC if torch.are_deterministic_algorithms_enabled() else 0
+        with torch.no_grad():
+            grads = torch.ops.pymsda.ms_deform_attn_backward(
+                grad_output.detach(), value.detach(), value_spatial_shapes,
+                value_level_start_index, sampling_locations.detach(),
+                attention_weights.detach(), None, flags, True, True, True)
+        return list(grads)
+    # Elsewhere (older torch, a list of shapes, a device served by the pure-PyTorch fallback),
+    # through pymsda's autograd: one forward is recomputed.
     leaves = [t.detach().requires_grad_(True)
               for t in (value, sampling_locations, attention_weights)]
     with torch.enable_grad():

@@ -66,7 +66,9 @@ class MSDeformableAttention(nn.Module):
     """RT-DETRv2's decoder cross-attention: same constructor, parameter and buffer names
     (sampling_offsets, attention_weights, value_proj, output_proj, num_points_scale),
     initialisation and forward as rtdetrv2_decoder.MSDeformableAttention, so its checkpoints
-    load. num_points is an int (every level) or a list of per-level counts.
+    load; so do those of RT-DETR (v1)'s MSDeformableAttention (same parameters, no
+    num_points_scale buffer, which is then taken from num_points). num_points is an int (every
+    level) or a list of per-level counts.
 
     forward(query (bs, Lq, C), reference_points (bs, Lq, 1 or n_levels, 2 or 4) in [0, 1]
     (points, or boxes (cx, cy, w, h)), value (bs, Lv, C), value_spatial_shapes [(H, W), ...],
@@ -134,6 +136,14 @@ class MSDeformableAttention(nn.Module):
         init.constant_(self.value_proj.bias, 0)
         init.xavier_uniform_(self.output_proj.weight)
         init.constant_(self.output_proj.bias, 0)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # RT-DETR (v1)'s MSDeformableAttention has the same parameters but no num_points_scale
+        # buffer; the buffer follows from num_points, so such a checkpoint loads (strict too).
+        key = prefix + "num_points_scale"
+        if key not in state_dict and prefix + "sampling_offsets.weight" in state_dict:
+            state_dict[key] = self.num_points_scale.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, query, reference_points, value, value_spatial_shapes, value_mask=None):
         bs, len_q = query.shape[:2]
