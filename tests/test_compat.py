@@ -191,7 +191,9 @@ def test_install_backward_matches_pymsda_autograd(generator, device, dtype, path
     """MSDA.ms_deform_attn_backward == pymsda's autograd gradients, bitwise, for every dtype,
     through the backward kernel directly and through the recompute fallback (older torch, a
     list of shapes, a device the library has no kernels for); each gradient has its input's
-    shape and dtype and records no graph, even for inputs that require grad."""
+    shape and dtype and records no graph, even for inputs that require grad. On CUDA the
+    value gradient is summed with float atomics, whose order varies between runs: there it
+    agrees to rounding instead."""
     if path == "recompute":
         monkeypatch.setattr(installed_extension, "_kernel_backward_serves", lambda *a: False)
     inputs = plain_inputs(generator, device, dtype=dtype)
@@ -208,7 +210,11 @@ def test_install_backward_matches_pymsda_autograd(generator, device, dtype, path
     for grad, name in zip(grads, GRAD_NAMES):
         assert grad.dtype == dtype and grad.shape == inputs[name].shape, name
         assert not grad.requires_grad, name
-        assert torch.equal(grad, expected[name]), name
+        if device == "cuda" and name == "value":
+            bound = {torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, 4e-3)
+            assert rel_l2(grad, expected[name]) < bound, name
+        else:
+            assert torch.equal(grad, expected[name]), name
 
 
 # ---- mmcv -------------------------------------------------------------------------------------
