@@ -2,6 +2,7 @@
 #   make                   CPU kernels always; CUDA kernels too when nvcc is found
 #   make CUDA_ARCHS=90     a quick build for one GPU architecture (list: "75 80 90")
 #   make MSDA_CUDA=0       force a CPU-only build
+#   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside
 #   make info | test | clean
 # No torch, ATen, c10 or pybind11 header is used: the library does not depend on any PyTorch or
 # Python version. cudart is linked statically, so the .so needs only the driver (libcuda).
@@ -86,6 +87,17 @@ info:
 	@echo "CUDA_HOME:     $(CUDA_HOME)"
 	@echo "architectures: $(ARCH_LIST)"
 	@echo "output:        $(LIB)"
+
+# ---- wheel -------------------------------------------------------------------------------------
+# One wheel for every Python 3 and torch version (tag py3-none-<platform>), made by the in-tree
+# PEP 517 backend from $(LIB) and pymsda/*.py: needs neither pip, setuptools nor torch, and
+# installing it (`pip install dist/pymsda-*.whl`) needs no compiler.
+DIST ?= dist
+.PHONY: wheel
+wheel: $(LIB)
+	@mkdir -p $(DIST)
+	@PYMSDA_BUILD_DIR='$(BUILD)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
+	    import _build_backend; print("built " + sys.argv[1] + "/" + _build_backend.build_wheel(sys.argv[1]))' $(DIST)
 
 # ---- tests -------------------------------------------------------------------------------------
 $(BUILD)/test_c_api: tests/c/test_c_api.c $(LIB) c/msda.h c/half.h

@@ -5,7 +5,9 @@
     python -m pymsda bench    benchmark against the PyTorch reference (bench --help for options)
 """
 import argparse
+import ctypes
 import platform
+import re
 import sys
 
 import torch
@@ -22,29 +24,104 @@ def _devices():
     return devices
 
 
+def arch_coverage(capability, archs):
+    """How the embedded GPU code serves a GPU of compute capability (major, minor).
+
+    archs: the library's list, e.g. ["sm_75", "sm_90a", "compute_121"]. Machine code (SASS) for
+    sm_XY runs on X.Z with Z >= Y (an "a" variant only on X.Y itself; an "f" variant on its
+    family, X.Z with Z >= Y); PTX compute_XY is JIT-compiled by the driver for any GPU of
+    capability >= X.Y. Returns (covered, how): how names the code that runs, or says why none
+    can.
+    """
+    major, minor = capability
+    cc = major * 10 + minor
+    sass, ptx = [], []
+    for arch in archs:
+        m = re.fullmatch(r"(sm|compute)_(\d+)([af]?)", arch)
+        if not m:
+            continue
+        number, suffix = int(m.group(2)), m.group(3)
+        a_major, a_minor = divmod(number, 10)
+        if suffix == "a":  # arch-specific features: that exact GPU only
+            runs = number == cc
+        elif m.group(1) == "sm":
+            runs = a_major == major and a_minor <= minor
+        else:
+            runs = number <= cc
+        if runs:
+            (sass if m.group(1) == "sm" else ptx).append((number, arch))
+    if sass:
+        number, arch = max(sass)
+        return True, f"machine code {arch}" + ("" if number == cc else f" (runs on sm_{cc}: same major)")
+    if ptx:
+        return True, (f"PTX {max(ptx)[1]}, JIT-compiled by the driver at first use (slow first "
+                      f"call; the driver must be as new as the CUDA the library was built with)")
+    if not archs:
+        return False, "the library has no GPU code"
+    return False, (f"NOT COVERED: no machine code for sm_{major}x at or below sm_{cc} and no PTX "
+                   f"at or below compute_{cc} among {' '.join(archs)}; rebuild on this machine "
+                   f"with `make CUDA_ARCHS={cc}` (an nvcc that supports sm_{cc})")
+
+
+def _driver_cuda_version():
+    """The CUDA version the installed driver supports (e.g. 12080), or None without a driver."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def _cuda_text(version):
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def gpu_coverage():
+    """[(device index, covered, line)] for every GPU torch sees."""
+    rows = []
+    if not torch.cuda.is_available():
+        return rows
+    archs = cuda_archs()
+    built = bool(_lib.lib.msda_has_cuda())
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        name = torch.cuda.get_device_name(i)
+        if built:
+            covered, how = arch_coverage((major, minor), archs)
+        else:
+            covered, how = True, ("the library is a CPU-only build: CUDA tensors go to the "
+                                  "pure-PyTorch reference")
+        rows.append((i, covered, f"cuda:{i}:{' ' * max(1, 10 - len(str(i)))}{name}, sm_{major}{minor}: {how}"))
+    return rows
+
+
 def info():
     lib = _lib.lib
     print(f"pymsda library: {library_path()} (ABI {lib.msda_abi_version()})")
     if lib.msda_has_cuda():
         v = lib.msda_cuda_version()
-        print(f"CUDA kernels:   yes, built with CUDA {v // 1000}.{v % 1000 // 10} for "
+        print(f"CUDA kernels:   yes, built with CUDA {_cuda_text(v)}; embedded: "
               f"{' '.join(cuda_archs())}")
+        driver = _driver_cuda_version()
+        if driver is not None:
+            note = ("" if driver // 1000 >= v // 1000 else
+                    f"  <- older than CUDA {_cuda_text(v)}: the CUDA kernels cannot run; "
+                    "update the NVIDIA driver")
+            print(f"CUDA driver:    supports CUDA {_cuda_text(driver)}{note}")
     else:
         print("CUDA kernels:   no (CPU-only build)")
     print(f"torch:          {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     print(f"Python:         {platform.python_version()} ({sys.executable})")
     print(f"CPU threads:    {torch.get_num_threads()}")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            sm = f"sm_{p.major}{p.minor}"
-            covered = sm in cuda_archs() or any(
-                a.startswith("compute_") and int(a[8:]) <= p.major * 10 + p.minor
-                for a in cuda_archs())
-            note = "" if covered else "  <- NOT covered by the embedded architectures"
-            print(f"cuda:{i}:         {p.name}, {sm}, {p.total_memory / 2**30:.0f} GiB{note}")
-    else:
+    coverage = gpu_coverage()
+    for _, _, line in coverage:
+        print(line)
+    if not coverage:
         print("GPUs:           none visible to torch")
+    return coverage
 
 
 def _rel(a, b):
@@ -88,10 +165,18 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="check", choices=["check", "info", "bench"])
     args = parser.parse_args(argv)
-    info()
+    coverage = info()
+    uncovered = {i for i, covered, _ in coverage if not covered}
     if args.command == "info":
         return 0
-    results = [check(d) for d in _devices()]
+    results = []
+    for device in _devices():
+        if device.type == "cuda" and device.index in uncovered:
+            print(f"self-check {str(device):7s} FAIL: the library has no code this GPU can run "
+                  "(see above)")
+            results.append(False)
+        else:
+            results.append(check(device))
     return 0 if all(results) else 1
 
 

@@ -87,10 +87,13 @@ def _dist_info_files(project):
 
 
 def _ensure_library():
-    library = os.path.join(ROOT, "build", LIBRARY)
+    # PYMSDA_BUILD_DIR: the Makefile's BUILD folder whose library goes in the wheel (`make wheel`
+    # sets it); relative to the source root.
+    build = os.environ.get("PYMSDA_BUILD_DIR") or "build"
+    library = os.path.join(ROOT, build, LIBRARY)
     if os.path.isfile(library):
         return library
-    command = ["make"] + shlex.split(os.environ.get("PYMSDA_MAKE_ARGS", ""))
+    command = ["make", "BUILD=" + build] + shlex.split(os.environ.get("PYMSDA_MAKE_ARGS", ""))
     print("pymsda: %s not found, running: %s" % (library, shlex.join(command)), file=sys.stderr, flush=True)
     try:
         subprocess.run(command, cwd=ROOT, check=True)

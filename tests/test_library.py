@@ -1,13 +1,18 @@
 """tests/test_library.py: the shared library keeps the promises that make it torch-independent:
 no torch/ATen/c10/pybind11 header in c/ or kernels/, no libtorch/libc10/libcudart among its
 dynamic dependencies, the ABI version of c/msda.h, and capability queries that agree with torch.
+Also the portability promises: the GPU architectures the build embeds (checked with cuobjdump),
+what `python -m pymsda` says about a GPU they do not cover, and the py3-none wheel.
 """
 import ctypes
+import glob
 import os
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
+import zipfile
 
 import pytest
 import torch
@@ -116,3 +121,145 @@ def test_has_cuda_agrees_with_torch_and_library():
     else:
         assert re.fullmatch(rb"(sm|compute)_\d+a?( (sm|compute)_\d+a?)*",
                             library.msda_cuda_archs())
+
+
+# ---- GPU architectures (issue 8) ----------------------------------------------------------------
+
+def find_cuobjdump():
+    """cuobjdump from the PATH, the CUDA toolkit of nvcc, or pip's nvidia-cuda-cuobjdump."""
+    candidates = [shutil.which("cuobjdump")]
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            candidates.append(os.path.join(home, "bin", "cuobjdump"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.join(os.path.dirname(os.path.realpath(nvcc)), "cuobjdump"))
+    for folder in sys.path:
+        candidates += sorted(glob.glob(os.path.join(folder, "nvidia", "cu*", "bin", "cuobjdump")))
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def test_library_embeds_the_promised_gpu_architectures():
+    promised = pymsda.cuda_archs()
+    if not promised:
+        pytest.skip("CPU-only build: the library embeds no GPU code")
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump)")
+    path = pymsda.library_path()
+    listing = {kind: subprocess.run([cuobjdump, "--list-" + kind, path], check=True,
+                                    capture_output=True, text=True).stdout
+               for kind in ("elf", "ptx")}
+    # One line per (compilation unit, architecture), e.g. "ELF file 2: libpymsda.2.sm_80.cubin"
+    # and "PTX file 1: libpymsda.1.sm_121.ptx" (PTX of compute_121).
+    sass = re.findall(r"\.(sm_\d+[af]?)\.cubin$", listing["elf"], re.M)
+    ptx = ["compute_" + a[3:] for a in re.findall(r"\.(sm_\d+[af]?)\.ptx$", listing["ptx"], re.M)]
+    assert sorted(set(sass) | set(ptx)) == sorted(promised)
+    # Every CUDA source was compiled for every architecture: no unit lacks one.
+    counts = {arch: (sass + ptx).count(arch) for arch in promised}
+    assert len(set(counts.values())) == 1, counts
+
+
+def test_default_build_covers_sm_75_to_newest_with_ptx():
+    archs = pymsda.cuda_archs()
+    if not archs:
+        pytest.skip("CPU-only build")
+    sm = [int(a[3:]) for a in archs if re.fullmatch(r"sm_\d+", a)]
+    if min(sm) != 75:
+        pytest.skip(f"not the default list (a build with CUDA_ARCHS=...): {' '.join(archs)}")
+    assert f"compute_{max(sm)}" in archs  # PTX of the newest, for GPUs newer than it
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # the nvcc that built it (same CUDA version): every architecture it knows from 75
+        library = ctypes.CDLL(pymsda.library_path())
+        built = library.msda_cuda_version()
+        release = re.search(r"release (\d+)\.(\d+)", subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True).stdout)
+        if release and built == int(release.group(1)) * 1000 + int(release.group(2)) * 10:
+            listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
+            known = sorted(int(n) for n in re.findall(r"^compute_(\d+)$", listed, re.M) if int(n) >= 75)
+            assert sorted(sm) == known
+
+
+ARCHS = "sm_75 sm_80 sm_86 sm_87 sm_88 sm_89 sm_90 sm_100 sm_103 sm_110 sm_120 sm_121 compute_121"
+
+
+@pytest.mark.parametrize("capability,archs,covered,how", [
+    ((9, 0), ARCHS, True, "machine code sm_90"),
+    ((8, 9), "sm_75 sm_80 sm_86 compute_86", True, "machine code sm_86 (runs on sm_89"),
+    ((12, 1), ARCHS, True, "machine code sm_121"),
+    ((13, 0), ARCHS, True, "PTX compute_121, JIT"),
+    ((10, 0), "sm_80 sm_90 compute_90", True, "PTX compute_90"),
+    ((7, 0), ARCHS, False, "NOT COVERED"),
+    ((6, 1), "sm_75 compute_75", False, "make CUDA_ARCHS=61"),
+    ((9, 0), "sm_90a", True, "machine code sm_90a"),
+    ((10, 0), "sm_90a", False, "NOT COVERED"),       # arch-specific code runs on sm_90 only
+    ((8, 6), "sm_80 sm_90", True, "machine code sm_80 (runs on sm_86"),
+    ((9, 0), "sm_80 sm_86", False, "NOT COVERED"),     # no SASS across majors, no PTX
+    ((8, 0), "sm_86 compute_86", False, "NOT COVERED"),  # neither runs on an older minor
+])
+def test_arch_coverage_rules(capability, archs, covered, how):
+    from pymsda.__main__ import arch_coverage
+    got_covered, got_how = arch_coverage(capability, archs.split())
+    assert got_covered is covered and how in got_how, got_how
+
+
+def test_python_m_pymsda_names_a_gpu_it_cannot_serve(monkeypatch, capsys):
+    import pymsda.__main__ as cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (6, 1)][i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Test GPU {i}")
+    monkeypatch.setattr(cli, "cuda_archs", lambda: ARCHS.split())
+    monkeypatch.setattr(cli._lib.lib, "msda_has_cuda", lambda: 1)
+    monkeypatch.setattr(cli._lib.lib, "msda_cuda_version", lambda: 13000)
+    coverage = cli.info()
+    out = capsys.readouterr().out
+    assert [covered for _, covered, _ in coverage] == [True, False]
+    assert "embedded: " + ARCHS in out
+    assert "cuda:0:" in out and "sm_90: machine code sm_90" in out
+    assert "cuda:1:" in out and "sm_61: NOT COVERED" in out
+
+
+def test_python_m_pymsda_info_lists_the_embedded_architectures():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(pymsda.__file__))
+    if os.environ.get("PYMSDA_LIBRARY"):
+        env["PYMSDA_LIBRARY"] = os.environ["PYMSDA_LIBRARY"]
+    done = subprocess.run([sys.executable, "-m", "pymsda", "info"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"pymsda library: {pymsda.library_path()}" in done.stdout
+    if pymsda.cuda_archs():
+        assert "embedded: " + " ".join(pymsda.cuda_archs()) in done.stdout
+    else:
+        assert "CUDA kernels:   no (CPU-only build)" in done.stdout
+
+
+# ---- the wheel (issue 8) ------------------------------------------------------------------------
+
+def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "pymsda"))
+    try:
+        import _build_backend
+    finally:
+        sys.path.pop(0)
+    # The backend packs <PYMSDA_BUILD_DIR>/libpymsda.so: point it at the library these tests run.
+    monkeypatch.setenv("PYMSDA_BUILD_DIR", os.path.dirname(pymsda.library_path()))
+    if os.path.basename(pymsda.library_path()) != "libpymsda.so":
+        pytest.skip(f"the loaded library is not named libpymsda.so: {pymsda.library_path()}")
+    name = _build_backend.build_wheel(str(tmp_path))
+    assert re.fullmatch(r"pymsda-[\w.]+-py3-none-(linux|manylinux)\w+\.whl", name), name
+    with zipfile.ZipFile(tmp_path / name) as wheel:
+        names = set(wheel.namelist())
+        with open(pymsda.library_path(), "rb") as f:
+            assert wheel.read("pymsda/libpymsda.so") == f.read()
+        sources = {f"pymsda/{p.relative_to(REPO / 'pymsda').as_posix()}"
+                   for p in (REPO / "pymsda").rglob("*.py")
+                   if "__pycache__" not in p.parts and p.name != "_build_backend.py"}
+        assert sources <= names
+        metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        tags = wheel.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+    assert "Requires-Python: >=" in metadata
+    # torch only behind an extra: installing the wheel never makes pip fetch a torch.
+    assert not re.search(r"^Requires-Dist: torch\b[^;]*$", metadata, re.M), metadata[:2000]
+    assert "Root-Is-Purelib: false" in tags and "Tag: py3-none-" in tags

@@ -151,6 +151,9 @@ def _ddp_worker(rank, device_type, port, result_path):
         if rank == 0:
             torch.save(dict(grads=without_module_prefix(grads),
                             params=without_module_prefix(params)), result_path)
+        # Neither rank tears its process group down while the other may still use it (gloo on
+        # torch 2.14.1 aborted a rank now and then without this).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
