@@ -5,27 +5,42 @@
  * Layouts as in msda.h; a "row" is the C channels of value[b, s, h, :] (H*C elements apart from
  * the next position). The per-dtype kernels are cpu_kernels.inc, included once per element type.
  *
- * Geometry (GEOMETRY in the .inc): the points of one (b, q, h) are located GROUP = 16 at a time,
- * lane-wise so the loops vectorise: x, y, the cell, the fraction and the four corner indices in
- * double, where they are exact, so fx = x - floor(x) is rounded once; a point or corner outside
- * its level (or outside [0, S), for lying shape tables) reads a zero row with weight 0.
+ * Geometry (GEOMETRY in the .inc): the points of one (b, q, h) are located GROUP = 16 at a time
+ *   in one loop that runs lane-wise over the points and vectorises: x, y, the cell, the fraction
+ *   and the four corners' element offsets in double, where they are exact, so fx = x - floor(x)
+ *   is rounded once and no 64-bit integer multiply (which AVX2 lacks) is needed; each point's
+ *   level W, H and start come from a per-call table of L*P entries (level_table; one entry per
+ *   level past 65536 points, ~8% slower, which keeps the table under 1.5 MB). The corners
+ *   are stored corner-major ([k][j]), whole vectors at a time. A point or corner outside its
+ *   level (or outside [0, S), for lying shape tables) reads a zero row with weight 0.
  * Forward: tasks of (b, q) rows, all heads of a query together (its heads read neighbouring value
  *   rows). Per (b, q, h): the group's 4 x 16 corner rows are summed into CHUNK accumulators that
  *   stay in vector registers (GATHER_FULL: 4 FMAs a corner for C = 32 with AVX2), while the next
  *   group is located and its rows prefetched.
- * Backward: grad_value is zeroed in 2 MB pieces by all threads, then one task per (b, h) owns
- *   grad_value[b, :, h, :] and writes the location and weight gradients of its (b, *, h) points:
- *   no two threads write the same element, no lock or atomic. Per point: four dot products
- *   go . corner row kept as LANES partial sums, combined lane-wise into the three sums the point
- *   gradients need and reduced by a fixed tree (vectorised without -ffast-math, same sums on any
- *   vector width), and the four grad_value rows updated. Groups are located one ahead and, for a
- *   map over 4 MB, their value and grad_value rows prefetched; the (b, h) slice's strided rows of
- *   grad_output, sampling_locations and attention_weights are prefetched 4 queries ahead. With
- *   fewer (b, h) slices than 4 per thread (B = H = 1, many threads) the work splits instead into
- *   point-gradient tasks over (b, h, query block) and grad_value tasks over (b, h, channel block).
+ * Backward: a task owns grad_value[b, :, h_begin:h_end, :] and writes the location and weight
+ *   gradients of those heads' points: no two threads write the same element, no lock or atomic.
+ *   It walks its points query-major (all its heads of query q, then q + 1), like the forward:
+ *   the heads of a query sample around one reference point, so consecutive groups share pages
+ *   and lines (slice-major, one head at a time, was 1.3x slower). Tasks own whole batches (all
+ *   heads: a contiguous grad_value block the task zeroes itself just before scattering into it,
+ *   no barrier) when the batches divide evenly among the threads or number 4 a thread or more;
+ *   else blocks of heads, two tasks a thread at least, after all threads have zeroed grad_value
+ *   together in 2 MB pieces (a block of heads is strided: zeroing it in its task was slower).
+ *   Per point (POINT_BWD): with 32-byte vectors (GCC / clang vector extensions) the four dot
+ *   products go . corner row as lane-wise partial sums, combined lane-wise into the three sums
+ *   the point gradients need and reduced together by a fixed tree of shuffles, and the four
+ *   grad_value rows updated. Groups are located one ahead and, for a map over 4 MB, their value
+ *   and grad_value rows prefetched; the rows of grad_output, sampling_locations and
+ *   attention_weights are prefetched 4 queries ahead. With fewer (b, h) slices than 4 per thread
+ *   (B = H = 1, many threads) the work splits instead into point-gradient tasks over
+ *   (b, h, query block) and grad_value tasks over (b, h, channel block).
  * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64. f16/bf16 values are converted as they
  *   are loaded (once per use; half.h's conversions are branch-free so those loops vectorise) and
- *   a grad_output row once per (b, q, h). Results do not depend on the thread count.
+ *   a grad_output row once per (b, q, h). Results do not depend on the thread count or the work
+ *   split: every grad_value row gets its contributions in query order whoever owns it, and the
+ *   point gradients always come from the one compiled variant of the backward loop (two variants
+ *   could contract the same sums into FMAs differently). The reduction trees are the same in
+ *   every clone; only FMA contraction (x86-64-v3 clone) changes the last bits between machines.
  * Vector width: the kernels (FORWARD_ROWS, BACKWARD_TASK) are built twice with target_clones,
  *   x86-64-v3 (AVX2 + FMA) and the baseline; an ifunc picks one at load time. No -march=native.
  *   Elsewhere (aarch64, clang) the baseline build only.
@@ -38,9 +53,9 @@
  *   our own. One thread (a DataLoader worker: torch sets 1 there) calls no OpenMP function at
  *   all, which keeps a forked worker clear of the parent's pool (libgomp is not fork-safe, for
  *   torch's own ops either); inside an OpenMP parallel region the op runs on one thread.
- * Memory: per-thread scratch of a few C-element rows; outputs larger than 8 MB are madvise'd to
- *   transparent huge pages before their first write (fresh 40 MB grad_value: 11-21 ms of 4 KB
- *   page faults, ~3-4 ms with huge pages).
+ * Memory: per-thread scratch of a few C-element rows and one level table (at most 1.5 MB);
+ *   outputs larger than 8 MB are madvise'd to transparent huge pages before their first write
+ *   (fresh 40 MB grad_value: 11-21 ms of 4 KB page faults, ~3-4 ms with huge pages).
  *
  * Tried (times: kernel only, 3 input sets in rotation, this 2-core AMD EPYC VM; ratios from
  * interleaved single-thread A/B runs, which the machine's noise (often +-25%) allows):
@@ -53,7 +68,7 @@
  *      the stack; the fixed LANES partial sums and tree instead: backward -15..-20%.
  *   v3 LANES 16 for f16/bf16 (a 16-bit load fills a 256-bit vector only at 16 lanes; at 8 the
  *      sums went through the stack with failed store forwarding): bf16 backward -10..-15%;
- *      LANES 4 for f64: -7%.
+ *      LANES 4 for f64: -7%. (v2, v3: replaced by v9's explicit vectors.)
  *   v4 backward prefetch of the rows a group will touch: decoders -20..-25%, small_enc +8%
  *      (1.4 MB map, in cache) -> only for maps over 4 MB; strided loc/attn/go rows prefetched
  *      4 queries ahead: -5..-20%; prefetch into L2 (locality 1) rather than L1: -10..-30%.
@@ -61,9 +76,39 @@
  *      -10%, bf16 -30..-40%.
  *   v6 vectorised geometry (it was 78-85% of the forward): forward -20..-27% (f32, bf16);
  *      needs -fno-trapping-math, else GCC will not if-convert the floating-point compares.
- *      2 threads: small_enc f32 fwd 2.5 / bwd 5.2 ms, dec300 1.0 / 2.9, ddetr_dec 1.2 / 5.8
- *      <- shipped.
- *   Not shipped: an AVX-512 clone (f32/f64 -3..-7%, bf16 backward +18..+27%); zeroing each
+ *      2 threads: small_enc f32 fwd 2.5 / bwd 5.2 ms, dec300 1.0 / 2.9, ddetr_dec 1.2 / 5.8.
+ *      Still short of issue 7 (dec300 f32 fwd+bwd 7.3x). From here on: 1 thread, CPU time of the
+ *      calling thread (immune to the other tenants' preemption), min of 45-60 calls, A/B
+ *      libraries interleaved in one process; dec300 f32 fwd 1.72 / bwd 4.4 ms at this point.
+ *      Where the time went: callgrind, 217 instructions a point forward, 468 backward, the
+ *      geometry ~105 of them in each; a backward that only locates points took 0.75 ms, one
+ *      whose rows all lay in 16 positions (cached) 3.45 ms: part compute, part memory.
+ *   v7 geometry in one loop, corner-major stores, offsets in double, the per-point level table:
+ *      geometry 105 -> 55 instructions a point; fwd 1.72 -> 1.25 ms, bwd unchanged (4.37: the
+ *      backward was waiting on memory, not instructions).
+ *   v8 backward query-major (tasks own batches or head blocks, see above): dec300 f32 bwd
+ *      4.3 -> 3.3 ms with whole batches (head blocks of 2: 3.7, of 4: 3.56); whole-batch tasks
+ *      zeroing their own block, no barrier: 3.27 (the same as the shared memset on one thread,
+ *      and no wait on a preempted thread); head-block tasks zeroing their strided block: 4.0-4.5
+ *      against 3.45, so those keep the shared memset.
+ *   v9 POINT_BWD in vector extensions (lanes combined, one shuffle tree for the three sums,
+ *      replacing GCC's stack round trips): bwd f32 3.2 -> 2.97 ms, f64 5.86 -> 5.42, bf16
+ *      3.87 -> 3.39.
+ *   v10 prefetch of a row of <= 128 bytes as its first and last byte, no loop: f32 fwd -5%,
+ *      bwd -8%; bf16 fwd -18%, bwd -14%; f64 (256-byte rows, the loop) +-3%. <- shipped.
+ *      1 thread, dec300: f32 fwd 1.25 / bwd 2.65 ms, f64 2.2 / 5.4, bf16 1.02 / 2.9; small_enc
+ *      f32 2.76 / 4.15 (was 3.55 / 6.9); ddetr_dec f32 1.54 / 4.57 (was 1.93 / 6.0). 2 threads
+ *      (min, busy machine): small_enc 1.32 / 2.2, dec300 0.63 / 1.54, ddetr_dec 0.78 / 3.26.
+ *      callgrind: 108 instructions a point forward, 323 backward.
+ *   Not shipped: a 4-line unrolled prefetch for rows up to 256 bytes (forward 1.8x slower: it
+ *   changed how GCC compiled the forward loop); skipping the backward-only geometry fields in the
+ *   forward (no gain); head blocks of 4 instead of 2 for small_enc on 2 threads (-4%, in the
+ *   noise; the finer tasks kept for a preempted thread's sake); head blocks of 4 (or 2) instead
+ *   of whole batches for dec300 on 2 threads (bwd min 1.55 (1.59) against 1.38 ms); locating
+ *   2 or 3 groups ahead instead of 1 (no change: the backward is bound by memory throughput, not
+ *   latency); prefetching the next group point by point inside the current one instead of all
+ *   at once (+8%). Before v7: an AVX-512 clone
+ *   (f32/f64 -3..-7%, bf16 backward +18..+27%); zeroing each
  *   (b, h) slice in its own task instead of the shared memset (+0..+15%); a two-phase backward,
  *   point gradients over (b, q) rows like the forward and grad_value over (b, h) (small_enc
  *   +12..+21%, decoders +-3%); grad_value contributions counting-sorted by row and applied in
@@ -100,40 +145,62 @@
 #define MSDA_CLONES
 #endif
 
-/* The level table read from the caller's int32/int64 shape tensors. */
+/* The level of every point (l, p) of a (b, q, h), read from the caller's int32/int64 shape
+ * tensors: its W, H and start offset as doubles (the sampling geometry's type), one entry per
+ * point so the geometry loop loads them as vectors. One allocation of 3 * L * P doubles, or, past
+ * LEVEL_TABLE_MAX_POINTS points, of 3 * L (one entry per level, looked up point by point). */
+#ifndef LEVEL_TABLE_MAX_POINTS
+#define LEVEL_TABLE_MAX_POINTS ((int64_t)1 << 16)
+#endif
 typedef struct {
-    int64_t h, w, start;
-    double hd, wd, sd; /* h, w and start as doubles, for the sampling geometry */
-} level_info;
+    int per_point; /* 1: entry p for point p of L * P; 0: entry l for level l */
+    int64_t P;
+    double *w, *h, *start;
+} level_table;
 
-static level_info *read_levels(const msda_problem *pr, const char *fn) {
-    level_info *lv = (level_info *)malloc((size_t)pr->L * sizeof(level_info));
-    if (!lv) {
-        msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of %lld level entries failed", fn,
-                       (long long)pr->L);
-        return NULL;
-    }
+static int read_levels(const msda_problem *pr, const char *fn, level_table **out) {
+    const int64_t LP = pr->L * pr->P;
+    const int per_point = LP <= LEVEL_TABLE_MAX_POINTS;
+    const int64_t entries = per_point ? LP : pr->L, copies = per_point ? pr->P : 1;
+    /* Offsets are computed in double (exact below 2^52 elements); a tensor that large cannot
+     * exist in a 48-bit address space, so this only refuses lying sizes. */
+    if (pr->B * pr->S * pr->H * pr->C >= ((int64_t)1 << 50))
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: value has %lld elements, more "
+                              "than the CPU kernels support (2^50)", fn,
+                              (long long)(pr->B * pr->S * pr->H * pr->C));
+    level_table *t =
+        (level_table *)malloc(sizeof(level_table) + 3 * (size_t)entries * sizeof(double));
+    if (!t)
+        return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of %lld level entries failed",
+                              fn, (long long)entries);
+    t->per_point = per_point;
+    t->P = pr->P;
+    t->w = (double *)(t + 1);
+    t->h = t->w + entries;
+    t->start = t->h + entries;
     for (int64_t l = 0; l < pr->L; l++) {
+        int64_t h, w, start;
         if (pr->index_dtype == MSDA_I64) {
             const int64_t *ss = (const int64_t *)pr->spatial_shapes;
-            lv[l].h = ss[2 * l];
-            lv[l].w = ss[2 * l + 1];
-            lv[l].start = ((const int64_t *)pr->level_start_index)[l];
+            h = ss[2 * l];
+            w = ss[2 * l + 1];
+            start = ((const int64_t *)pr->level_start_index)[l];
         } else {
             const int32_t *ss = (const int32_t *)pr->spatial_shapes;
-            lv[l].h = ss[2 * l];
-            lv[l].w = ss[2 * l + 1];
-            lv[l].start = ((const int32_t *)pr->level_start_index)[l];
+            h = ss[2 * l];
+            w = ss[2 * l + 1];
+            start = ((const int32_t *)pr->level_start_index)[l];
         }
         /* A level no point can land in (empty, or too large for exact double geometry). */
-        if (lv[l].h <= 0 || lv[l].w <= 0 || lv[l].h > ((int64_t)1 << 40) ||
-            lv[l].w > ((int64_t)1 << 40))
-            lv[l].h = lv[l].w = 0;
-        lv[l].hd = (double)lv[l].h;
-        lv[l].wd = (double)lv[l].w;
-        lv[l].sd = (double)lv[l].start;
+        if (h <= 0 || w <= 0 || h > ((int64_t)1 << 40) || w > ((int64_t)1 << 40)) h = w = 0;
+        for (int64_t p = l * copies; p < (l + 1) * copies; p++) {
+            t->w[p] = (double)w;
+            t->h[p] = (double)h;
+            t->start[p] = (double)start;
+        }
     }
-    return lv;
+    *out = t;
+    return MSDA_OK;
 }
 
 /* Threads for a call with `work` sampling points: the caller's count (torch.get_num_threads()),
@@ -219,9 +286,59 @@ static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
 static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
 static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
 
+/* 32-byte vectors (GCC / clang vector extensions) for the backward's channel loops: VL lanes of
+ * the accumulation type; LOADV converts VL stored elements. A target without 256-bit registers
+ * splits each operation in two, with the same results. */
+typedef float msda_v8f __attribute__((vector_size(32)));
+typedef double msda_v4d __attribute__((vector_size(32)));
+typedef uint16_t msda_v8h __attribute__((vector_size(16)));
+typedef uint32_t msda_v8u __attribute__((vector_size(32)));
+
+/* (Vectors travel through pointers: a vector argument or return value would change the ABI
+ * between the clones, which GCC warns about.) */
+static inline void loadv_f32(msda_v8f *v, const float *p) { memcpy(v, p, sizeof *v); }
+static inline void loadv_f64(msda_v4d *v, const double *p) { memcpy(v, p, sizeof *v); }
+static inline void loadv_bf16(msda_v8f *v, const uint16_t *p) {
+    msda_v8h h;
+    memcpy(&h, p, sizeof h);
+    const msda_v8u u = __builtin_convertvector(h, msda_v8u) << 16;
+    memcpy(v, &u, sizeof *v);
+}
+static inline void loadv_f16(msda_v8f *v, const uint16_t *p) {
+    for (int i = 0; i < 8; i++) (*v)[i] = msda_half_to_float(p[i]);
+}
+
+/* The lane sums of three vectors a, b, c, each by a fixed tree: lanes i and i + VL/2 first. */
+static inline void reduce3_v8f(const msda_v8f *a, const msda_v8f *b, const msda_v8f *c,
+                               float *sums) {
+    const msda_v8f z = {0, 0, 0, 0, 0, 0, 0, 0};
+    const msda_v8f x = __builtin_shufflevector(*a, *b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(*a, *b, 4, 5, 6, 7, 12, 13, 14, 15);
+    const msda_v8f y = __builtin_shufflevector(*c, z, 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(*c, z, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* lanes 0, 1: a; 2, 3: c; 4, 5: b; 6, 7: zero */
+    const msda_v8f t = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+                       __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    sums[0] = t[0] + t[1];
+    sums[1] = t[4] + t[5];
+    sums[2] = t[2] + t[3];
+}
+
+static inline void reduce3_v4d(const msda_v4d *a, const msda_v4d *b, const msda_v4d *c,
+                               double *sums) {
+    const msda_v4d z = {0, 0, 0, 0};
+    const msda_v4d x = __builtin_shufflevector(*a, *b, 0, 1, 4, 5) +
+                       __builtin_shufflevector(*a, *b, 2, 3, 6, 7);
+    const msda_v4d y = __builtin_shufflevector(*c, z, 0, 1, 4, 5) +
+                       __builtin_shufflevector(*c, z, 2, 3, 6, 7);
+    sums[0] = x[0] + x[1];
+    sums[1] = x[2] + x[3];
+    sums[2] = y[0] + y[1];
+}
+
 // ---------------------------------------------------------------------------------------------
-// kernels, one set per element type (CHUNK: channels one register-resident accumulator holds;
-// LANES: partial sums per dot product in the backward, 16 for halves so a 256-bit vector is full)
+// kernels, one set per element type (CHUNK: channels one register-resident accumulator holds in
+// the forward; VEC / VL: the backward's 32-byte vector type and its lanes)
 
 /* Points located together (lane-wise) before their channel loops run. */
 #define GROUP 16
@@ -231,32 +348,44 @@ static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_flo
 #define SCALAR float
 #define ACC float
 #define SUFFIX f32
+#define VEC msda_v8f
+#define VL 8
+#define VSPLAT(x) ((msda_v8f){0} + (x))
+#define REDUCE3 reduce3_v8f
 #define CHUNK 32
-#define LANES 8
 #define HALF_STORAGE 0
 #include "cpu_kernels.inc"
 
 #define SCALAR double
 #define ACC double
 #define SUFFIX f64
+#define VEC msda_v4d
+#define VL 4
+#define VSPLAT(x) ((msda_v4d){0} + (x))
+#define REDUCE3 reduce3_v4d
 #define CHUNK 16
-#define LANES 4
 #define HALF_STORAGE 0
 #include "cpu_kernels.inc"
 
 #define SCALAR uint16_t
 #define ACC float
 #define SUFFIX f16
+#define VEC msda_v8f
+#define VL 8
+#define VSPLAT(x) ((msda_v8f){0} + (x))
+#define REDUCE3 reduce3_v8f
 #define CHUNK 32
-#define LANES 16
 #define HALF_STORAGE 1
 #include "cpu_kernels.inc"
 
 #define SCALAR uint16_t
 #define ACC float
 #define SUFFIX bf16
+#define VEC msda_v8f
+#define VL 8
+#define VSPLAT(x) ((msda_v8f){0} + (x))
+#define REDUCE3 reduce3_v8f
 #define CHUNK 32
-#define LANES 16
 #define HALF_STORAGE 1
 #include "cpu_kernels.inc"
 
@@ -264,9 +393,9 @@ static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_flo
 // entry points
 
 int msda_cpu_forward(const msda_problem *pr) {
-    level_info *lv = read_levels(pr, "msda_forward");
-    if (!lv) return MSDA_ERR_INTERNAL;
-    int st;
+    level_table *lv = NULL;
+    int st = read_levels(pr, "msda_forward", &lv);
+    if (st != MSDA_OK) return st;
     switch (pr->dtype) {
     case MSDA_F32: st = forward_f32(pr, lv); break;
     case MSDA_F64: st = forward_f64(pr, lv); break;
@@ -279,9 +408,9 @@ int msda_cpu_forward(const msda_problem *pr) {
 }
 
 int msda_cpu_backward(const msda_problem *pr) {
-    level_info *lv = read_levels(pr, "msda_backward");
-    if (!lv) return MSDA_ERR_INTERNAL;
-    int st;
+    level_table *lv = NULL;
+    int st = read_levels(pr, "msda_backward", &lv);
+    if (st != MSDA_OK) return st;
     switch (pr->dtype) {
     case MSDA_F32: st = backward_f32(pr, lv); break;
     case MSDA_F64: st = backward_f64(pr, lv); break;

@@ -3,9 +3,9 @@
 The op runs on torch.get_num_threads() OpenMP threads (ops._device_args passes it); the library
 links libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded, so torch
 and pymsda share one OpenMP runtime and thread pool. Checked here:
-- results are bitwise identical for any thread count, in the fused backward (one task per
-  (b, h)) and in the split backward (fewer (b, h) slices than threads can share), and match the
-  f64 oracle;
+- results are bitwise identical for any thread count, in the three work splits of the backward
+  (tasks owning whole batches, tasks owning head blocks of a batch, and the split backward for
+  fewer (b, h) slices than threads can share), and match the f64 oracle;
 - calls from several Python threads at once, under torch.set_num_threads(1) and (2);
 - DataLoader workers (num_workers=2, forked after the parent used both runtimes): torch sets one
   thread there and the kernels then start no thread at all (a forked child must not touch the
@@ -48,7 +48,10 @@ class num_threads:
 
 
 # Big enough that the kernels really go parallel (they stay on one thread below 2048 points).
+# FUSED: tasks own whole batches at 1 and 2 threads; HEAD_BLOCKS: one batch, so at 2 threads tasks
+# own blocks of heads (C = 37: a channel tail after the vectors); both split at 3 and 7 threads.
 FUSED = dict(batch=2, queries=70, heads=4, channels=40, shapes=[(9, 11), (5, 6)], points=4)
+HEAD_BLOCKS = dict(batch=1, queries=70, heads=8, channels=37, shapes=[(9, 11), (5, 6)], points=4)
 SPLIT = dict(batch=1, queries=300, heads=1, channels=40, shapes=[(9, 11), (5, 6)], points=4)
 
 
@@ -63,7 +66,7 @@ def forward_and_grads(inputs, grad_output):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
                          ids=["f32", "f64", "bf16"])
-@pytest.mark.parametrize("case", [FUSED, SPLIT], ids=["fused", "split"])
+@pytest.mark.parametrize("case", [FUSED, HEAD_BLOCKS, SPLIT], ids=["fused", "head_blocks", "split"])
 def test_results_are_identical_for_any_thread_count(generator, dtype, case):
     inputs = make_inputs(generator, **case, dtype=dtype)
     B, Q, H = inputs["attention_weights"].shape[:3]
@@ -77,7 +80,7 @@ def test_results_are_identical_for_any_thread_count(generator, dtype, case):
             assert torch.equal(a, b), f"{name} with {threads} threads differs from 1 thread"
 
 
-@pytest.mark.parametrize("case", [FUSED, SPLIT], ids=["fused", "split"])
+@pytest.mark.parametrize("case", [FUSED, HEAD_BLOCKS, SPLIT], ids=["fused", "head_blocks", "split"])
 def test_threaded_results_match_f64_oracle(generator, case):
     inputs = make_inputs(generator, **case, dtype=torch.float64)
     B, Q, H = inputs["attention_weights"].shape[:3]
@@ -148,7 +151,7 @@ class _OpDataset(torch.utils.data.Dataset):
         # backward once the parent has used its device threads (as on a machine with a GPU).
         before = _native_threads()
         results = _run_kernels(self.inputs, self.grad_output)
-        return torch.get_num_threads(), (before, _native_threads()), results
+        return torch.get_num_threads(), (before, _native_threads(expected=before)), results
 
 
 def _run_kernels(inputs, grad_output):
