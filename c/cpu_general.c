@@ -217,15 +217,6 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
     return MSDA_OK;
 }
 
-static inline float load_f32(const float *p, int64_t i) { return p[i]; }
-static inline double load_f64(const double *p, int64_t i) { return p[i]; }
-static inline float load_f16(const uint16_t *p, int64_t i) { return msda_half_to_float(p[i]); }
-static inline float load_bf16(const uint16_t *p, int64_t i) { return msda_bf16_to_float(p[i]); }
-static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
-static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
-static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
-static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
-
 // ---------------------------------------------------------------------------------------------
 // kernels, once per element type (SCALAR storage, ACC accumulation)
 

@@ -275,16 +275,7 @@ static void split_range(int64_t n, int part, int parts, int64_t *begin, int64_t 
     *end = n * (part + 1) / parts;
 }
 
-/* Element loads and stores; ACC is the accumulation type. The half loads are branch-free so the
- * channel loops that convert a value row while reading it still vectorise. */
-static inline float load_f32(const float *p, int64_t i) { return p[i]; }
-static inline double load_f64(const double *p, int64_t i) { return p[i]; }
-static inline float load_f16(const uint16_t *p, int64_t i) { return msda_half_to_float(p[i]); }
-static inline float load_bf16(const uint16_t *p, int64_t i) { return msda_bf16_to_float(p[i]); }
-static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
-static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
-static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
-static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
+/* Element loads and stores (load_f32 ... store_bf16): c/half.h. */
 
 /* 32-byte vectors (GCC / clang vector extensions) for the backward's channel loops: VL lanes of
  * the accumulation type; LOADV converts VL stored elements. A target without 256-bit registers

@@ -51,4 +51,16 @@ static inline uint16_t msda_float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Element loads and stores of the CPU kernels by storage type (the half ones convert; f32 is
+ * the accumulation type of f32, f16 and bf16). Branch-free, so channel loops that convert a row
+ * while reading it still vectorise. */
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline double load_f64(const double *p, int64_t i) { return p[i]; }
+static inline float load_f16(const uint16_t *p, int64_t i) { return msda_half_to_float(p[i]); }
+static inline float load_bf16(const uint16_t *p, int64_t i) { return msda_bf16_to_float(p[i]); }
+static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
+static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
+static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
+
 #endif /* MSDA_HALF_H */

@@ -58,7 +58,8 @@
  * Refused with MSDA_ERR_INVALID_ARGUMENT: a size below its minimum (B, S, Q >= 0; H, C, L, P >= 1),
  * byte counts past INT64_MAX, a pointer not aligned to its element type, num_threads > 1024 on
  * the CPU, an unknown flag, a level_points table that is negative or does not sum to P, a
- * deterministic CUDA backward whose workspace is NULL or smaller than it needs.
+ * deterministic CUDA backward whose workspace is NULL or smaller than it needs, and on the CPU a
+ * value tensor of 2^50 elements or more.
  */
 #ifndef MSDA_H
 #define MSDA_H
@@ -131,14 +132,16 @@ MSDA_API const char *msda_last_error(void);
 MSDA_API int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
                           int64_t P, int dtype, int index_dtype, int device, int num_threads,
                           const int64_t *level_points, int flags, const void *value,
-                          const void *spatial_shapes, const void *level_start_index, const void *sampling_locations,
-                          const void *attention_weights, void *output, void *stream);
+                          const void *spatial_shapes, const void *level_start_index,
+                          const void *sampling_locations, const void *attention_weights,
+                          void *output, void *stream);
 
 MSDA_API int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
                            int64_t P, int dtype, int index_dtype, int device, int num_threads,
                            const int64_t *level_points, int flags, const void *value,
-                           const void *spatial_shapes, const void *level_start_index, const void *sampling_locations,
-                           const void *attention_weights, const void *grad_output,
+                           const void *spatial_shapes, const void *level_start_index,
+                           const void *sampling_locations, const void *attention_weights,
+                           const void *grad_output,
                            void *grad_value, void *grad_sampling_locations,
                            void *grad_attention_weights, void *workspace,
                            int64_t workspace_bytes, void *stream);
