@@ -13,10 +13,18 @@
  *   level past 65536 points, ~8% slower, which keeps the table under 1.5 MB). The corners
  *   are stored corner-major ([k][j]), whole vectors at a time. A point or corner outside its
  *   level (or outside [0, S), for lying shape tables) reads a zero row with weight 0.
- * Forward: tasks of (b, q) rows, all heads of a query together (its heads read neighbouring value
- *   rows). Per (b, q, h): the group's 4 x 16 corner rows are summed into CHUNK accumulators that
- *   stay in vector registers (GATHER_FULL: 4 FMAs a corner for C = 32 with AVX2), while the next
- *   group is located and its rows prefetched.
+ * Query order (QUERY_ORDER in the .inc): a decoder's queries (Q != S, Q <= 4096) come in
+ *   arbitrary order, so consecutive queries sample far apart in a map of several MB (a cache and
+ *   TLB miss per row). Both passes walk each batch's queries in Z-order of where they sample (the
+ *   mean of each head's first point, 256 x 256 grid, a stable radix sort: a few microseconds),
+ *   so that neighbouring queries share lines and pages; the rows of sampling_locations,
+ *   attention_weights and output, now read out of order, are prefetched two queries ahead. The
+ *   order depends on the inputs only: the forward's results are unchanged, grad_value's rows sum
+ *   their contributions in this order (whatever the threads).
+ * Forward: tasks of (b, q) rows (in query order), all heads of a query together (its heads read
+ *   neighbouring value rows). Per (b, q, h): the group's 4 x 16 corner rows are summed into CHUNK
+ *   accumulators that stay in vector registers (GATHER_FULL: 4 FMAs a corner for C = 32 with
+ *   AVX2), while the next group is located and its rows prefetched.
  * Backward: a task owns grad_value[b, :, h_begin:h_end, :] and writes the location and weight
  *   gradients of those heads' points: no two threads write the same element, no lock or atomic.
  *   It walks its points query-major (all its heads of query q, then q + 1), like the forward:
@@ -95,11 +103,40 @@
  *      replacing GCC's stack round trips): bwd f32 3.2 -> 2.97 ms, f64 5.86 -> 5.42, bf16
  *      3.87 -> 3.39.
  *   v10 prefetch of a row of <= 128 bytes as its first and last byte, no loop: f32 fwd -5%,
- *      bwd -8%; bf16 fwd -18%, bwd -14%; f64 (256-byte rows, the loop) +-3%. <- shipped.
+ *      bwd -8%; bf16 fwd -18%, bwd -14%; f64 (256-byte rows, the loop) +-3%.
  *      1 thread, dec300: f32 fwd 1.25 / bwd 2.65 ms, f64 2.2 / 5.4, bf16 1.02 / 2.9; small_enc
  *      f32 2.76 / 4.15 (was 3.55 / 6.9); ddetr_dec f32 1.54 / 4.57 (was 1.93 / 6.0). 2 threads
  *      (min, busy machine): small_enc 1.32 / 2.2, dec300 0.63 / 1.54, ddetr_dec 0.78 / 3.26.
  *      callgrind: 108 instructions a point forward, 323 backward.
+ *   v11 (issue 7: dec300 f32 fwd+bwd at 8.0-9.3x the reference on 2 threads, 10x wanted).
+ *      Where a python -m pymsda bench fwd+bwd call (2.6-2.8 ms) goes, 2 threads, idle machine:
+ *      C forward 0.53-0.72 ms, C backward 1.4-1.6 ms (each thread zeroes its 5.5 MB batch of
+ *      grad_value for 0.28 ms, then scatters for 1.27 ms; the two batches' threads end within
+ *      0.02 ms of each other), the rest 0.34-0.5 ms in Python and torch (of it 0.1-0.15 ms
+ *      Python's cyclic GC: with gc.freeze() the call took 2.60-2.64 ms against 2.74-2.79).
+ *      1 thread, dec300 bwd 2.99 ms: without the zeroing 2.80, without the per-point work
+ *      (geometry, prefetch, zeroing only) 1.15, without it and the prefetch 0.60, without the
+ *      prefetch alone 4.74: the per-point work waits on memory (value and grad_value rows from
+ *      L3/DRAM, 4 KB pages: 22 MB of them per call) more than on its 329 instructions.
+ *      Shipped: QUERY_ORDER (above) and PREFETCH_ROWS unrolled over a full group's 64 corners
+ *      (3 instructions a corner and array instead of 5: callgrind backward 329 -> 305 a point,
+ *      forward 109 -> 100). 1 thread, thread CPU time, 4 libraries interleaved in one process
+ *      (min / median of 126 calls): dec300 fwd 1.264 / 1.386 -> 1.163 / 1.251 ms, bwd 2.991 /
+ *      3.285 -> 2.818 / 2.992; ddetr_dec fwd 1.682 / 1.835 -> 1.488 / 1.708, bwd 8.09 / 8.76 ->
+ *      8.17 / 8.80 (unchanged); small_enc (Q = S: no order) fwd 2.03 / 2.11 -> 2.08 / 2.17
+ *      (unroll alone, noise level), bwd 4.57 / 5.14 -> 4.44 / 5.10. Each alone gained little
+ *      (order: dec300 fwd -2..-5%, bwd -2..-4%; unroll: fwd +6%, bwd -5%). Inputs permuted in
+ *      Z-order beforehand (sequential rows, the same value accesses) gained more: dec300 fwd
+ *      -9..-14%, bwd -8..-10% (1 and 2 threads): part of the gain is lost to the out-of-order
+ *      rows.
+ *      Again later (8 rounds): dec300 f32 fwd min / median 1.159 / 1.301 -> 1.097 / 1.205, bwd
+ *      3.155 / 3.325 -> 3.003 / 3.204; f64 fwd 2.06 / 2.27 -> 2.14 / 2.36 (+4%: 256-byte rows,
+ *      the unroll does not apply), bwd -1..-4%; bf16 fwd +2%, bwd -1..-2%.
+ *      On 2 threads the whole bench call varies 2.3-3.5 ms from one process to the next, more
+ *      than any change here: in some processes glibc trims and regrows the heap on every call
+ *      and the grad_value zeroing takes ~85 page faults a call (3.0 against 2.4-2.6 ms a call);
+ *      others have none.
+ *      <- shipped.
  *   Not shipped: a 4-line unrolled prefetch for rows up to 256 bytes (forward 1.8x slower: it
  *   changed how GCC compiled the forward loop); skipping the backward-only geometry fields in the
  *   forward (no gain); head blocks of 4 instead of 2 for small_enc on 2 threads (-4%, in the
@@ -113,7 +150,15 @@
  *   point gradients over (b, q) rows like the forward and grad_value over (b, h) (small_enc
  *   +12..+21%, decoders +-3%); grad_value contributions counting-sorted by row and applied in
  *   one sweep that writes each row once, no memset (1.15-2.7x slower: strided stores read each
- *   line first); the split mode for every shape (dec300 backward +15%).
+ *   line first); the split mode for every shape (dec300 backward +15%). For v11: no zeroing
+ *   pass, a bit per grad_value row of the task instead (set when a row is first scattered to,
+ *   whose stale contents a mask then ignores; unreached rows zeroed after the task): dec300 bwd
+ *   1 thread 3.08 -> 3.90 ms (+90 instructions a point: the bit test-and-set per corner is a
+ *   chain through memory, and the zeroing it saves cost only 0.1-0.19 ms); zeroing the batch
+ *   with non-temporal stores (2 threads bwd +10%: the scatter then reads every row from DRAM).
+ *   The forward walking its task's rows head by head (each head's rays of ~18 neighbouring
+ *   queries overlap) instead of query by query: dec300 fwd 1.143 -> 1.316 ms; the forward
+ *   locating 2 groups ahead instead of 1: 1.695 -> 1.720 (median, busy machine), no gain.
  */
 #if !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE /* madvise under -std=c11 */
@@ -269,6 +314,17 @@ static inline void msda_prefetch_write(void *row, int64_t bytes) {
     for (uintptr_t a = first; a < end; a += 64) __builtin_prefetch((const void *)a, 1, 1);
 }
 
+/* Prefetches every line of [p, p + bytes), for reading (write 0) or writing (1). */
+static inline void prefetch_span(const void *p, int64_t bytes, int write) {
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) {
+        if (write)
+            __builtin_prefetch((const void *)a, 1, 1);
+        else
+            __builtin_prefetch((const void *)a, 0, 1);
+    }
+}
+
 /* Part `part` of `parts` of [0, n). */
 static void split_range(int64_t n, int part, int parts, int64_t *begin, int64_t *end) {
     *begin = n * part / parts;
@@ -327,12 +383,24 @@ static inline void reduce3_v4d(const msda_v4d *a, const msda_v4d *b, const msda_
     sums[2] = y[0] + y[1];
 }
 
+/* x and y (8 bits each) interleaved, x in the even bits: the Z-curve index of cell (x, y). */
+static inline uint32_t morton16(uint32_t x, uint32_t y) {
+    x &= 255, y &= 255;
+    x = (x | x << 4) & 0x0f0f, y = (y | y << 4) & 0x0f0f;
+    x = (x | x << 2) & 0x3333, y = (y | y << 2) & 0x3333;
+    x = (x | x << 1) & 0x5555, y = (y | y << 1) & 0x5555;
+    return x | y << 1;
+}
+
 // ---------------------------------------------------------------------------------------------
 // kernels, one set per element type (CHUNK: channels one register-resident accumulator holds in
 // the forward; VEC / VL: the backward's 32-byte vector type and its lanes)
 
 /* Points located together (lane-wise) before their channel loops run. */
 #define GROUP 16
+/* Most queries (per batch) that QUERY_ORDER sorts (a decoder has 100-900; its keys hold q in 16
+ * bits, and the sort is a scratch of Q entries). */
+#define ORDER_MAX_QUERIES 4096
 /* value tensors above this size get the rows the backward gathers prefetched */
 #define PREFETCH_MIN_BYTES ((int64_t)4 << 20)
 
