@@ -374,12 +374,39 @@ template <bool OPT> __device__ __forceinline__ int level_of(const msda_problem &
     return l;
 }
 
+/* Item order of the fast kernels: head-major, item = (b*H + h)*Q + q, so a block's items are
+ * consecutive queries of one head, which sample overlapping pixels of that head's value rows
+ * (the aggregated backward depends on it; the forward gains L1 hits). item_row gives the item's
+ * row (b*Q + q)*H + h in grad_output / sampling_locations / attention_weights / output,
+ * item_head_off the element offset of (b, s = 0, h, c = 0) in value. */
+__device__ __forceinline__ int item_row(const msda_problem &pr, int item) {
+    const int Q = (int)pr.Q, H = (int)pr.H, hq = H * Q;
+    const int b = item / hq, r = item - b * hq, h = r / Q, q = r - h * Q;
+    return (b * Q + q) * H + h;
+}
+__device__ __forceinline__ int item_head_off(const msda_problem &pr, int item) {
+    const int Q = (int)pr.Q, H = (int)pr.H, S = (int)pr.S, C = (int)pr.C, hq = H * Q;
+    const int b = item / hq, h = (item - b * hq) / Q;
+    return b * S * H * C + h * C;
+}
+
+/* {row, head_off} of the block's items [base, base + ipb) into s_item, computed once per item
+ * (the staging needs them for every point; integer divisions are not cheap). The caller
+ * synchronises before reading them. */
+__device__ __forceinline__ void fill_items(const msda_problem &pr, int base, int n_items, int ipb,
+                                           int2 *s_item) {
+    for (int il = threadIdx.x; il < ipb; il += blockDim.x) {
+        const int item = base + il < n_items ? base + il : n_items - 1;
+        s_item[il] = make_int2(item_row(pr, item), item_head_off(pr, item));
+    }
+}
+
 /* MSDA_SOFTMAX, fast kernels: each group of G lanes computes {max, 1 / sum(exp(z - max))} of
  * its item's logits into s_soft[local] (lane-strided, then group shuffles: a fixed order);
  * items past the end get {0, 1}. The caller synchronises. */
 template <typename T, int G, bool OPT>
-__device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int n_items,
-                                                    float2 *s_soft) {
+__device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int row,
+                                                    int n_items, float2 *s_soft) {
     const int g = threadIdx.x % G, local = threadIdx.x / G;
     if (!OPT) return; /* s_soft is not read (nor sized for the items) */
     if (!(pr.flags & MSDA_SOFTMAX)) { /* uniform over the grid: no shuffle is skipped */
@@ -387,7 +414,7 @@ __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int 
         return;
     }
     const int NP = item < n_items ? (int)pr.NP : 0; /* every lane still joins the shuffles */
-    const T *z = (const T *)pr.attention_weights + (int64_t)item * (int)pr.NP;
+    const T *z = (const T *)pr.attention_weights + (int64_t)row * (int)pr.NP;
     float m = -INFINITY, sum = 0.f;
     for (int j = g; j < NP; j += G) m = fmaxf(m, to_acc(z[j]));
 #pragma unroll
@@ -404,18 +431,18 @@ __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int 
  * Offsets are int32: the fast path needs B*S*H*C < 2^31. Unsigned arithmetic wraps instead of
  * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
 template <typename T, bool WEIGHTS, bool OPT>
-__device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int item,
+__device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int2 it,
                                             int pidx, float2 soft, int4 &offs, float4 &geo) {
     const T *loc = (const T *)pr.sampling_locations;
     const T *attn = (const T *)pr.attention_weights;
-    const int64_t i = (int64_t)item * (int)pr.NP + pidx;
+    const int64_t i = (int64_t)it.x * (int)pr.NP + pidx;
     const int4 lvl = s_lvl[level_of<OPT>(pr, pidx)];
     const int flags = OPT ? pr.flags : 0;
     float a = to_acc(attn[i]);
     if (flags & MSDA_SOFTMAX) a = expf(a - soft.x) * soft.y;
     offs = make_int4(-1, -1, -1, -1);
     geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
-    const int H = (int)pr.H, HC = (int)(pr.H * pr.C), S = (int)pr.S;
+    const int HC = (int)(pr.H * pr.C), S = (int)pr.S;
     const float lx = to_acc(loc[2 * i]), ly = to_acc(loc[2 * i + 1]);
     if (flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
         if (lvl.y <= 0 || !(isfinite(lx) && isfinite(ly))) return;
@@ -424,16 +451,14 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
         const int yy = (int)fminf(fmaxf(floorf(__fmul_rn(ly, Hf) + 0.5f), 0.f), Hf - 1.f);
         const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
         if (idx >= (unsigned)S) return;
-        const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
-        offs.x = b * S * HC + h * (int)pr.C + (int)idx * HC;
+        offs.x = it.y + (int)idx * HC;
         geo = make_float4(a, 0.f, 0.f, 0.f); /* weights {A, 0, 0, 0} = {A, fx = 0, fy = 0, 0} */
         return;
     }
     int x0, y0;
     float fx, fy;
     if (!locate32(lx, ly, lvl, x0, y0, fx, fy)) return;
-    const int qh = (int)(pr.Q * pr.H), b = item / qh, h = item % H;
-    const int head_off = b * S * HC + h * (int)pr.C;
+    const int head_off = it.y;
     int o[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -451,19 +476,20 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
         geo = make_float4(a, fx, fy, 0.f);
 }
 
-/* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) in shared memory, one
- * thread per point (stage_point); slots past the last item or point get offsets -1. The caller
- * synchronises before reading them. */
+/* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) (s_item: fill_items) in
+ * shared memory, one thread per point (stage_point); slots past the last item or point get
+ * offsets -1. The caller synchronises before reading them. */
 template <typename T, bool WEIGHTS, bool OPT, typename St>
-__device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl, int base,
-                                            int n_items, int p0, int kn, const float2 *s_soft,
-                                            int4 *s_offs, float4 *s_geo) {
+__device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl,
+                                            const int2 *s_item, int base, int n_items, int p0,
+                                            int kn, const float2 *s_soft, int4 *s_offs,
+                                            float4 *s_geo) {
     for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
         const int il = j / St::K, k = j % St::K;
         int4 offs = make_int4(-1, -1, -1, -1);
         float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
         if (base + il < n_items && k < kn)
-            stage_point<T, WEIGHTS, OPT>(pr, s_lvl, base + il, p0 + k,
+            stage_point<T, WEIGHTS, OPT>(pr, s_lvl, s_item[il], p0 + k,
                                          OPT ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;

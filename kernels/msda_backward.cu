@@ -6,8 +6,12 @@
  *   grad_loc_x    = A * W_l * sum_c g[c] * ((1-fy)(v1-v0) + fy(v3-v2))[c]
  *   grad_loc_y    = A * H_l * sum_c g[c] * ((1-fx)(v2-v0) + fx(v3-v1))[c]
  *   grad_value[corner k] += A * w_k * g          (scattered; f32 buffer for half dtypes)
- * Thread map (fast path, as in msda_forward.cu): a group of G = C / 4 threads per (b, q, h), 4
- *   channels each; the block stages the geometry of K points per item in shared memory; each
+ * Three kernels. Encoders (Q * NP >= 2 * S, not deterministic, C >= 16): msda_backward_agg,
+ *   which first merges the corners of a block's points that fall on the same value row (see
+ *   its comment), so each distinct row is loaded and atomically updated once per block.
+ * Thread map (fast path, as in msda_forward.cu; items head-major): a group of G = C / 4 threads
+ *   per (b, q, h), 4 channels each; the block stages the geometry of K points per item in
+ *   shared memory; each
  *   group gathers the 4 corners, scatters A * w_k * g into grad_value with 16-byte vector
  *   atomics (sm_90 red.global.add.v4.f32; 4 scalar atomics before sm_90), reduces its
  *   three per-point sums over the G lanes with shuffles, and parks them in shared memory; the
@@ -62,6 +66,41 @@
  *   loads missing L1 (23% L1 hits, against 46% in the forward): the atomics bound it. Reaching
  *   0.5 ms needs fewer atomics (a gather formulation of grad_value, or aggregation in shared
  *   memory), not a faster version of this kernel.
+ *   Aggregation (H100, one bench run per line unless said; ddetr_enc f32 / bf16, m2f_enc f32):
+ *   a simulation of realistic ddetr_enc locations counted, per block of consecutive queries of
+ *   one head, corners / distinct rows = 2.7 (8 queries), 3.65 (32), 4.35 (128); the
+ *   query-major blocks of v4 (4 queries x 8 heads) share almost none.
+ *   v7 v4 with head-major items: 0.892 / 0.946, m2f 0.729 (v4 same run: 0.952 / 0.949, 0.799)
+ *   v8 hash table per chunk, one group per distinct row sums A * w_k * g and issues the atomics;
+ *      the corners still loaded per point for the point gradients: 0.696 / 0.744, m2f 0.631;
+ *      decoders unchanged (dino_dec900 0.088 vs 0.086)
+ *   v9 v8, rows also loaded once: the walk computes each slot's g . row and the point gradients
+ *      come from those dots: 0.733 / 0.775 (ncu: 80% SM throughput, issue-bound: 4-lane groups
+ *      redo the weight arithmetic per slot, 3 shuffles a slot)
+ *   v10 v9 with the coefficient computed once when the slot is filed and 8 channels a lane in
+ *      the walk (G / 2 lanes a row): 0.603 / 0.621, m2f 0.561 (v8 same run: 0.695 / 0.743)
+ *   v11 v10 with the item rows computed once per block (no divisions per point) and the two
+ *      walkers of a quarter warp reading s_go from different banks: 0.583 / 0.594 / f16 0.594,
+ *      m2f 0.542 (v4 same run: m2f 0.769). ncu: 684 us at 1.6 GHz, issue 0.73 per scheduler,
+ *      L1/shared 80%, L2 63%, 22 of 32 lanes active: the walk loop was 52% of the instructions,
+ *      half of its steps idle (slot lists of different lengths in one warp) and each step
+ *      paying a convergence check for the group shuffle.
+ *      dino_dec900 0.097, rtdetr_dec_b8 0.125 (v4 0.083, 0.105): decoders keep v4
+ *      (aggregates()).
+ *   v12 v11 with the rows sorted by list length (counting sort, longest first) and warp-uniform
+ *      walk loops (full-mask shuffles): 0.547 / 0.567, m2f 0.526 / 0.550 (v11 same run: 0.583 /
+ *      0.599, 0.545 / 0.562); ncu 624 us at 1.6 GHz, 382 M instructions (v11 416 M), 28.7 of 32
+ *      lanes active <- shipped for encoders
+ *   v13 v12 with staging and filing merged (a thread per point), a 1.5x table and {A * w_k,
+ *      next} packed per slot: 372 M instructions but 0.561 / 0.579 (v12 same run 0.546 / 0.566)
+ *   v14 v12 with only the packing: 0.592 / 0.610: 44.6 KB of shared memory leaves 4 blocks per
+ *      multiprocessor instead of 5 (with 4 blocks and 64 registers: 0.586)
+ *   v15 v12 with half the points per chunk (K = 4 for C = 32: 25 KB of shared memory), 5 or 6
+ *      blocks per multiprocessor: ddetr_enc 0.605 / 0.580, m2f_enc 0.527 / 0.501 (v12 same run
+ *      0.547, 0.527): a chunk then holds one level, and ddetr_enc loses more than m2f gains
+ *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
+ *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
+ *   their offsets local (the realistic distribution), so encoders take v12.
  */
 #include "common.cuh"
 
@@ -196,6 +235,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     __shared__ float4 s_geo[St::IPB * St::STRIDE];  /* {A, fx, fy, 0} */
     __shared__ float4 s_sums[St::IPB * St::STRIDE]; /* {d/dA, d/dfx, d/dfy, 0} before scaling */
     __shared__ float2 s_soft[OPT ? St::IPB : 1];    /* softmax {max, 1 / sum} per item */
+    __shared__ int2 s_item[St::IPB];                /* {row, head offset} per item */
     const int g = threadIdx.x % G, local = threadIdx.x / G;
     const T *value = (const T *)pr.value + g * V;
     const T *gout = (const T *)pr.grad_output;
@@ -215,10 +255,12 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     load_levels(pr, s_lvl);
     __syncthreads();
     for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
-        const int item = base + local;
+        fill_items(pr, base, n_items, St::IPB, s_item);
+        __syncthreads();
+        const int item = base + local, row = s_item[local].x;
         float go[V], go_det[V]; /* go_det: channels g, g + G, ... (DET's coalesced atomics) */
         if (item < n_items) {
-            load_vec(gout + (int64_t)item * C + g * V, go);
+            load_vec(gout + (int64_t)row * C + g * V, go);
         } else {
 #pragma unroll
             for (int j = 0; j < V; j++) go[j] = 0.f;
@@ -226,16 +268,17 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
         if (DET) {
 #pragma unroll
             for (int j = 0; j < V; j++)
-                go_det[j] = item < n_items ? to_acc(gout[(int64_t)item * C + g + j * G]) : 0.f;
+                go_det[j] = item < n_items ? to_acc(gout[(int64_t)row * C + g + j * G]) : 0.f;
         }
-        group_softmax_stats<T, G, OPT>(pr, item, n_items, s_soft);
+        group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
         if (softmax) __syncthreads();
         float dot = 0.f; /* softmax: sum over the item's points of A * dL/dA, in point order */
         /* blockIdx.y: which of gridDim.y slices of the points (never split with softmax) */
         const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
         for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
             const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
-            stage_chunk<T, false, OPT, St>(pr, s_lvl, base, n_items, p0, kn, s_soft, s_offs, s_geo);
+            stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
+                                           s_offs, s_geo);
             __syncthreads();
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */
@@ -291,7 +334,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     const int il = j / St::K, k = j % St::K;
                     if (base + il >= n_items || k >= kn) continue;
                     const int pidx = p0 + k;
-                    const int64_t i = (int64_t)(base + il) * LP + pidx;
+                    const int64_t i = (int64_t)s_item[il].x * LP + pidx;
                     const float4 sums = s_sums[il * St::STRIDE + k];
                     const float a = s_geo[il * St::STRIDE + k].x;
                     if (grad_attn) grad_attn[i] = from_acc<T>(sums.x);
@@ -312,10 +355,304 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             const float2 soft = s_soft[local];
             const T *z = (const T *)pr.attention_weights;
             for (int pidx = g; pidx < LP; pidx += G) {
-                const int64_t i = (int64_t)item * LP + pidx;
+                const int64_t i = (int64_t)row * LP + pidx;
                 const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
                 grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
             }
+        }
+    }
+}
+
+/* Staging of the aggregated backward: IPB items x K points per chunk, NS corner slots, a hash
+ * table of HS positions (never more than half full: at most NS distinct rows). */
+template <int G> struct StageAgg {
+    static constexpr int IPB = 256 / G;
+    static constexpr int K = G < 2 ? 2 : (G > 16 ? 16 : G); /* points per item per chunk */
+    static constexpr int STRIDE = K + 1;
+    static constexpr int NS = IPB * K * 4; /* corner slots per chunk (<= 1024 for G >= 2) */
+    static constexpr int HS = 2 * NS;      /* hash positions */
+    static constexpr int HBITS = HS >= 2048 ? 11 : (HS >= 1024 ? 10 : 9);
+    static_assert((1 << HBITS) == HS, "HS is a power of two");
+    static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
+};
+
+/* 8 consecutive channels as floats (16-byte aligned: 32 bytes in f32, 16 in f16/bf16). */
+__device__ __forceinline__ void load_vec8(const float *p, float (&v)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load_vec8(const __half *p, float (&v)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 f = __half22float2(h[q]);
+        v[2 * q] = f.x, v[2 * q + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load_vec8(const __nv_bfloat16 *p, float (&v)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 f = __bfloat1622float2(h[q]);
+        v[2 * q] = f.x, v[2 * q + 1] = f.y;
+    }
+}
+
+/* Aggregated backward (not MSDA_DETERMINISTIC, G >= 4; chosen by aggregates()). A block holds
+ * consecutive queries of one head (head-major items), whose points land on many of the same
+ * pixels: on realistic ddetr_enc inputs the 32 x 16 x 4 corners of a block hit ~3.6x fewer
+ * distinct value rows. Per staged chunk:
+ *   1. file: one thread per corner ("slot") files it under its row (value / grad_value offset)
+ *      in a shared-memory hash table (open addressing; a linked list of slots per row; new rows
+ *      numbered warp by warp), with its coefficient A * w_k;
+ *   2. sort the rows by the length of their slot lists (counting sort, longest first), so the
+ *      walkers of a warp, which step together, have about the same number of slots;
+ *   3. walk: one walker of G/2 lanes (8 channels a lane) per distinct row loads the value row
+ *      once and, over the row's slots, sums coefficient * grad_output (then one 16-byte atomic
+ *      per 4 channels: global atomics drop by the duplication factor) and parks each slot's
+ *      grad_output . row in s_dot;
+ *   4. point gradients from the four dots of each point: with d_k = g . v_k,
+ *      dL/dA = sum_k w_k d_k, dL/dfx = (1-fy)(d1-d0) + fy(d3-d2),
+ *      dL/dfy = (1-fx)(d2-d0) + fx(d3-d1).
+ * Softmax: the per-item sum of A * dL/dA is gathered in shared memory (float atomics, so its
+ * order varies; the deterministic mode never takes this kernel). */
+#define MSDA_AGG_BUCKETS 16 /* slot-list lengths 1 .. 15 and 16 or more */
+template <typename T, int G, bool OPT>
+__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
+    constexpr int V = 4;
+    typedef StageAgg<G> St;
+    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
+    __shared__ int4 s_offs[St::IPB * St::STRIDE];
+    __shared__ float4 s_geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
+    __shared__ float4 s_go[St::IPB * G];           /* grad_output of the block's items */
+    __shared__ float s_coef[St::NS];               /* A * w_k, per slot */
+    __shared__ int2 s_item[St::IPB];               /* {row, head offset} per item */
+    __shared__ float2 s_soft[OPT ? St::IPB : 1];
+    __shared__ float s_smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
+    __shared__ float s_dot[St::NS];                /* g . corner row, per slot */
+    __shared__ int s_key[St::HS];
+    __shared__ int s_head[St::HS];
+    __shared__ short s_next[St::NS];
+    __shared__ short s_ent[St::NS];   /* hash positions in use, in order of filing */
+    __shared__ short s_order[St::NS]; /* the same, longest slot list first */
+    __shared__ int s_bucket[MSDA_AGG_BUCKETS];
+    __shared__ int s_nent;
+    const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
+    const T *gout = (const T *)pr.grad_output;
+    T *grad_loc = (T *)pr.grad_sampling_locations;
+    T *grad_attn = (T *)pr.grad_attention_weights;
+    const bool point_grads = grad_loc || grad_attn;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
+    const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
+    const bool softmax = OPT && (pr.flags & MSDA_SOFTMAX);
+    load_levels(pr, s_lvl);
+    for (int j = threadIdx.x; j < St::HS; j += 256) s_key[j] = -1, s_head[j] = -1;
+    if (threadIdx.x == 0) s_nent = 0;
+    if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
+    if (OPT && threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
+    __syncthreads();
+    for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
+        fill_items(pr, base, n_items, St::IPB, s_item);
+        __syncthreads();
+        const int item = base + local, row = s_item[local].x;
+        float go[V];
+        if (item < n_items) {
+            load_vec(gout + (int64_t)row * C + g * V, go);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) go[j] = 0.f;
+        }
+        s_go[local * G + g] = make_float4(go[0], go[1], go[2], go[3]);
+        group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
+        if (softmax) __syncthreads();
+        const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
+        for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
+            const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
+            stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
+                                           s_offs, s_geo);
+            __syncthreads();
+            /* file every inside corner under its row; new rows numbered warp by warp */
+            for (int j = threadIdx.x; j < St::NS; j += 256) { /* same trip count in every lane */
+                const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
+                const int4 o4 = s_offs[il * St::STRIDE + k];
+                const int o = c == 0 ? o4.x : (c == 1 ? o4.y : (c == 2 ? o4.z : o4.w));
+                unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
+                bool fresh = false;
+                if (o >= 0) {
+                    const float4 geo = s_geo[il * St::STRIDE + k];
+                    const float wx = (c & 1) ? geo.y : 1.f - geo.y;
+                    const float wy = (c & 2) ? geo.z : 1.f - geo.z;
+                    s_coef[j] = geo.x * (wx * wy);
+                    for (;;) {
+                        const int prev = atomicCAS(&s_key[hp], -1, o);
+                        if (prev == -1 || prev == o) {
+                            fresh = prev == -1;
+                            break;
+                        }
+                        hp = (hp + 1) & (St::HS - 1);
+                    }
+                    s_next[j] = (short)atomicExch(&s_head[hp], j);
+                }
+                const unsigned m = __ballot_sync(0xffffffffu, fresh);
+                int first = 0;
+                if (lane == 0 && m) first = atomicAdd(&s_nent, __popc(m));
+                first = __shfl_sync(0xffffffffu, first, 0);
+                if (fresh) s_ent[first + __popc(m & ((1u << lane) - 1u))] = (short)hp;
+            }
+            __syncthreads();
+            const int nent = s_nent;
+            /* order the rows by the length of their slot lists, longest first (a counting sort
+             * into MSDA_AGG_BUCKETS buckets), so the walkers of a warp, which step together,
+             * get lists of about the same length */
+            constexpr int EPT = St::NS / 256; /* rows per thread at most */
+            int bucket[EPT], rank[EPT];
+#pragma unroll
+            for (int r = 0; r < EPT; r++) {
+                const int e = threadIdx.x + r * 256;
+                if (e < nent) {
+                    int len = 0;
+                    for (int j = s_head[s_ent[e]]; j >= 0 && len < MSDA_AGG_BUCKETS; j = s_next[j])
+                        len++;
+                    bucket[r] = MSDA_AGG_BUCKETS - len;
+                    rank[r] = atomicAdd(&s_bucket[bucket[r]], 1);
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < 32) { /* exclusive prefix sum of the bucket sizes */
+                const int n = threadIdx.x < MSDA_AGG_BUCKETS ? s_bucket[threadIdx.x] : 0;
+                int incl = n;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int t = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += t;
+                }
+                if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = incl - n;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < EPT; r++) {
+                const int e = threadIdx.x + r * 256;
+                if (e < nent) s_order[s_bucket[bucket[r]] + rank[r]] = s_ent[e];
+            }
+            __syncthreads();
+            { /* walkers of WG lanes, 8 channels a lane: one walker per distinct row; all the
+               * loops below run the same trip count in every lane of a warp (full-warp votes),
+               * so the group sums shuffle with the full mask */
+                constexpr int WG = G / 2, WPB = 256 / WG;
+                const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
+                /* odd walkers take their lane's two 4-channel halves in the other order, so the
+                 * two walkers of a quarter warp read s_go from different banks */
+                const int h0 = part * 8 + (walker & 1) * 4, h1 = part * 8 + 4 - (walker & 1) * 4;
+                const T *vrow = (const T *)pr.value + part * 8;
+                float *gv_row = (float *)pr.grad_value;
+                const float *s_gof = reinterpret_cast<const float *>(s_go);
+                for (int e0 = 0; e0 < nent; e0 += WPB) {
+                    const int e = e0 + walker;
+                    int key = 0, j = -1;
+                    if (e < nent) {
+                        const int hp = s_order[e];
+                        key = s_key[hp], j = s_head[hp];
+                    }
+                    float v[8], a0[4], a1[4];
+                    if (point_grads && j >= 0) {
+                        float u[8];
+                        load_vec8(vrow + key, u);
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            v[q] = (walker & 1) ? u[q + 4] : u[q];
+                            v[q + 4] = (walker & 1) ? u[q] : u[q + 4];
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < 4; q++) a0[q] = a1[q] = 0.f;
+                    while (__any_sync(0xffffffffu, j >= 0)) {
+                        float d = 0.f;
+                        int next = -1;
+                        if (j >= 0) {
+                            const int il = j / (St::K * 4);
+                            const float *gi = s_gof + il * C;
+                            const float4 g0 = *reinterpret_cast<const float4 *>(gi + h0);
+                            const float4 g1 = *reinterpret_cast<const float4 *>(gi + h1);
+                            if (gv_row) {
+                                const float cf = s_coef[j];
+                                a0[0] += cf * g0.x, a0[1] += cf * g0.y;
+                                a0[2] += cf * g0.z, a0[3] += cf * g0.w;
+                                a1[0] += cf * g1.x, a1[1] += cf * g1.y;
+                                a1[2] += cf * g1.z, a1[3] += cf * g1.w;
+                            }
+                            if (point_grads)
+                                d = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] + g0.w * v[3] +
+                                    g1.x * v[4] + g1.y * v[5] + g1.z * v[6] + g1.w * v[7];
+                            next = s_next[j];
+                        }
+                        if (point_grads) {
+                            d = group_sum<WG>(d);
+                            if (j >= 0 && part == 0) s_dot[j] = d;
+                        }
+                        j = next;
+                    }
+                    if (gv_row && e < nent) {
+                        atomic_add_vec<4>(gv_row + key + h0, a0);
+                        atomic_add_vec<4>(gv_row + key + h1, a1);
+                    }
+                }
+            }
+            __syncthreads();
+            /* empty the table (the next chunk's barrier orders this before its filing) */
+            for (int e = threadIdx.x; e < nent; e += 256) {
+                const int hp = s_ent[e];
+                s_key[hp] = -1, s_head[hp] = -1;
+            }
+            if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
+            if (point_grads) {
+                for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+                    const int il = j / St::K, k = j % St::K;
+                    if (base + il >= n_items || k >= kn) continue;
+                    const int4 o4 = s_offs[il * St::STRIDE + k];
+                    const float4 geo = s_geo[il * St::STRIDE + k];
+                    const float a = geo.x, fx = geo.y, fy = geo.z;
+                    const float d0 = o4.x >= 0 ? s_dot[4 * j] : 0.f;
+                    const float d1 = o4.y >= 0 ? s_dot[4 * j + 1] : 0.f;
+                    const float d2 = o4.z >= 0 ? s_dot[4 * j + 2] : 0.f;
+                    const float d3 = o4.w >= 0 ? s_dot[4 * j + 3] : 0.f;
+                    const float s_a = (1.f - fx) * (1.f - fy) * d0 + fx * (1.f - fy) * d1 +
+                                      (1.f - fx) * fy * d2 + fx * fy * d3;
+                    const bool hit = o4.x >= 0 || o4.y >= 0 || o4.z >= 0 || o4.w >= 0;
+                    const int pidx = p0 + k;
+                    const int64_t i = (int64_t)s_item[il].x * LP + pidx;
+                    if (softmax && grad_attn) atomicAdd(&s_smdot[il], a * s_a);
+                    if (grad_attn) grad_attn[i] = from_acc<T>(s_a);
+                    if (grad_loc && (!hit || nearest)) {
+                        grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
+                    } else if (grad_loc) {
+                        const float s_x = (1.f - fy) * (d1 - d0) + fy * (d3 - d2);
+                        const float s_y = (1.f - fx) * (d2 - d0) + fx * (d3 - d1);
+                        const int l = level_of<OPT>(pr, pidx);
+                        const float W_l = (float)s_lvl[l].y, H_l = (float)s_lvl[l].x;
+                        grad_loc[2 * i] = from_acc<T>(a * s_x * W_l);
+                        grad_loc[2 * i + 1] = from_acc<T>(a * s_y * H_l);
+                    }
+                }
+            }
+            if (threadIdx.x == 0) s_nent = 0;
+            __syncthreads();
+        }
+        if (softmax && grad_attn) { /* dL/dz = A * (dL/dA - dot), see msda_backward_fast */
+            if (item < n_items) {
+                const float2 soft = s_soft[local];
+                const float dot = s_smdot[local];
+                const T *z = (const T *)pr.attention_weights;
+                for (int pidx = g; pidx < LP; pidx += G) {
+                    const int64_t i = (int64_t)row * LP + pidx;
+                    const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
+                    grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
         }
     }
 }
@@ -401,11 +738,24 @@ static int point_slices(const msda_problem *pr, unsigned int blocks) {
     return slices < 1 ? 1 : (int)slices;
 }
 
+/* The aggregated backward pays for its hash table only where rows repeat within a block:
+ * encoders (each pixel's query samples around its own pixel, Q * NP >= 2 * S), not decoders
+ * (a few hundred scattered queries; there it measured 15-20% slower than msda_backward_fast). */
+static inline bool aggregates(const msda_problem *pr) { return pr->Q * pr->NP >= 2 * pr->S; }
+
 template <typename T, int G, bool DET>
 static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
     const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
     const dim3 grid(blocks, point_slices(pr, blocks));
-    if (msda_needs_general(pr)) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
+    const bool opt = msda_needs_general(pr);
+    if constexpr (!DET && G >= 4) {
+        if (aggregates(pr)) {
+            if (opt) msda_backward_agg<T, G, true><<<grid, 256, 0, stream>>>(*pr);
+            else msda_backward_agg<T, G, false><<<grid, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        }
+    }
+    if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
     else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
