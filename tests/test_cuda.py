@@ -155,6 +155,24 @@ def test_cuda_value_with_device_spatial_shapes_int32_and_no_start_index(generato
     assert rel_l2(out, oracle_forward(inputs)) < 1e-12
 
 
+def test_device_spatial_shapes_changed_in_place_are_seen(generator):
+    # The level starts derived from a device spatial_shapes tensor are cached per tensor; an
+    # in-place change (same S) must be seen, as must a new tensor with other shapes.
+    inputs = make_inputs(generator, batch=2, queries=5, heads=2, channels=8, points=2,
+                         shapes=[(4, 6), (2, 3)], device="cuda")
+    shapes = inputs["spatial_shapes"].clone()
+    assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=None),
+                  oracle_forward(inputs)) < 1e-12
+    for new in ([(6, 4), (3, 2)], [(3, 8), (1, 6)]):
+        shapes.copy_(torch.tensor(new))
+        expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
+        out = run_msda(inputs, spatial_shapes=shapes, level_start_index=None)
+        assert rel_l2(out, expected) < 1e-12, new
+    other = torch.tensor([(2, 12), (3, 2)], device="cuda")
+    expected = oracle_forward(dict(inputs, spatial_shapes=other.cpu()))
+    assert rel_l2(run_msda(inputs, spatial_shapes=other, level_start_index=None), expected) < 1e-12
+
+
 def test_deformable_detr_sized_encoder_case_f32(generator):
     # Many blocks and queries; the f64 reference on the GPU is the yardstick (numpy would be
     # slow at this size). Kink-free locations keep f32-vs-f64 gradient comparisons meaningful.
