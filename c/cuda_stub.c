@@ -1,5 +1,5 @@
 /* c/cuda_stub.c: the CUDA half of the library in a CPU-only build (no nvcc, or MSDA_CUDA=0).
- * Linked instead of kernels/*.cu so the entry points are the same in every build. */
+ * Linked instead of the kernels/ objects so the entry points are the same in every build. */
 #include "msda_internal.h"
 
 int msda_cuda_built(void) { return 0; }

@@ -33,6 +33,7 @@ requires_grad inputs, no synchronisation inside the loop).
 import argparse
 import datetime
 import functools
+import gc
 import json
 import math
 import os
@@ -174,7 +175,19 @@ def pass_calls(op, input_sets, pass_name):
 
 
 def median_ms(calls, reps, device, warmup):
-    """Median milliseconds of one call, over reps rounds of every call in turn, after warmup calls."""
+    """Median milliseconds of one call, over reps rounds of every call in turn, after warmup calls.
+    Python's cyclic garbage collector is off while the calls run, as timeit has it: a collection
+    that happens to fall into one call would charge that call with the whole process's garbage."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _median_ms(calls, reps, device, warmup)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _median_ms(calls, reps, device, warmup):
     for i in range(warmup):
         calls[i % len(calls)]()
     if device.type == "cuda":
