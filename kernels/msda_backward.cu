@@ -583,9 +583,17 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                                 a1[0] += cf * g1.x, a1[1] += cf * g1.y;
                                 a1[2] += cf * g1.z, a1[3] += cf * g1.w;
                             }
-                            if (point_grads)
-                                d = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] + g0.w * v[3] +
-                                    g1.x * v[4] + g1.y * v[5] + g1.z * v[6] + g1.w * v[7];
+                            /* the two 4-channel halves summed apart, then added: the same
+                             * bits whichever half a walker takes first (odd and even walkers
+                             * differ), so the point gradients do not depend on the order of
+                             * the walk (which walker gets a row varies from run to run) */
+                            if (point_grads) {
+                                const float d0 = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] +
+                                                 g0.w * v[3];
+                                const float d1 = g1.x * v[4] + g1.y * v[5] + g1.z * v[6] +
+                                                 g1.w * v[7];
+                                d = d0 + d1;
+                            }
                             next = s_next[j];
                         }
                         if (point_grads) {
