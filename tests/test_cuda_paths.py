@@ -14,8 +14,8 @@ from pymsda.reference import ms_deform_attn_pytorch
 from conftest import requires_cuda
 from factories import (GRAD_NAMES, flat_size, loose_bound, make_inputs, make_point_inputs,
                        oracle_backward, oracle_backward_general, oracle_forward,
-                       oracle_forward_general, random_grad_output, random_level_shapes,
-                       reference_in_dtype, rel_l2, run_msda)
+                       oracle_forward_general, random_grad_output, random_level_shapes, rel_l2,
+                       run_msda)
 
 pytestmark = requires_cuda
 
@@ -138,12 +138,8 @@ AGG_FEATURES = {"plain": (None, "bilinear", False), "counts": ([3, 0, 2], "bilin
                 "counts_nearest_softmax": ([1, 3, 2], "nearest", True)}
 
 
-@pytest.mark.parametrize("dtype,channels", GROUPS,
-                         ids=[f"{str(d)[6:]}-C{c}" for d, c in GROUPS])
-@pytest.mark.parametrize("feature", list(AGG_FEATURES))
-@pytest.mark.parametrize("case", list(AGG_CASES))
-def test_aggregated_and_per_point_backward_match_f64_oracle(generator, dtype, channels, feature,
-                                                            case):
+def agg_inputs(generator, case, feature, dtype, channels):
+    """Inputs, op options and oracle options of an AGG_CASES case with an AGG_FEATURES feature."""
     shapes, queries = AGG_CASES[case]
     num_points_list, sampling, softmax = AGG_FEATURES[feature]
     counts = num_points_list or [2] * len(shapes)
@@ -159,21 +155,34 @@ def test_aggregated_and_per_point_backward_match_f64_oracle(generator, dtype, ch
     options = dict(num_points_list=num_points_list, sampling=sampling, softmax=softmax)
     oracle_opts = dict(num_points_list=num_points_list, nearest=sampling == "nearest",
                        softmax=softmax)
+    return inputs, options, oracle_opts
 
-    def grads(function):
-        leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
-        out = function(leaves["value"], inputs["spatial_shapes"], leaves["sampling_locations"],
-                       leaves["attention_weights"])
-        out.backward(grad_output)
-        return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
 
-    def mine(v, shapes_, loc, attn):
-        return pymsda.ms_deform_attn(v, shapes_, inputs["level_start_index"], loc, attn, **options)
+def agg_grads(inputs, grad_output, function):
+    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+    out = function(leaves["value"], inputs["spatial_shapes"], leaves["sampling_locations"],
+                   leaves["attention_weights"])
+    out.backward(grad_output)
+    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
 
+
+def agg_op(inputs, **options):
+    return lambda v, shapes, loc, attn: pymsda.ms_deform_attn(
+        v, shapes, inputs["level_start_index"], loc, attn, **options)
+
+
+@pytest.mark.parametrize("dtype,channels", GROUPS,
+                         ids=[f"{str(d)[6:]}-C{c}" for d, c in GROUPS])
+@pytest.mark.parametrize("feature", list(AGG_FEATURES))
+@pytest.mark.parametrize("case", list(AGG_CASES))
+def test_aggregated_and_per_point_backward_match_f64_oracle(generator, dtype, channels, feature,
+                                                            case):
+    inputs, options, oracle_opts = agg_inputs(generator, case, feature, dtype, channels)
+    mine = agg_op(inputs, **options)
     grad_output = random_grad_output(generator, mine(inputs["value"], inputs["spatial_shapes"],
                                                      inputs["sampling_locations"],
                                                      inputs["attention_weights"]))
-    out, got = grads(mine)
+    out, got = agg_grads(inputs, grad_output, mine)
     expected_out = oracle_forward_general(inputs, **oracle_opts)
     expected = oracle_backward_general(inputs, grad_output, **oracle_opts)
     if dtype == torch.float32:
@@ -181,14 +190,41 @@ def test_aggregated_and_per_point_backward_match_f64_oracle(generator, dtype, ch
         for name, g, e in zip(GRAD_NAMES, got, expected):
             assert rel_l2(g, e) < 1e-5, name
     else:
-        ref_out, ref = grads(lambda v, s, loc, attn: ms_deform_attn_pytorch(v, s, loc, attn,
-                                                                            **options))
+        ref_out, ref = agg_grads(inputs, grad_output,
+                                 lambda v, s, loc, attn: ms_deform_attn_pytorch(v, s, loc, attn,
+                                                                                **options))
         assert rel_l2(out, expected_out) <= loose_bound(rel_l2(ref_out, expected_out))
         for name, g, r, e in zip(GRAD_NAMES, got, ref, expected):
             if r is None:  # nearest: the reference's location gradient does not exist; it is 0
                 assert not e.any() and not g.any(), name
             else:
                 assert rel_l2(g, e) <= loose_bound(rel_l2(r, e)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("channels", [16, 32, 128])
+@pytest.mark.parametrize("feature", list(AGG_FEATURES))
+def test_deterministic_aggregated_backward_repeats_bitwise_and_matches_oracle(
+        generator, dtype, channels, feature):
+    # deterministic=True on an encoder-like problem: the aggregated kernel with fixed-point sums
+    # (with softmax: the per-point kernel)
+    inputs, options, oracle_opts = agg_inputs(generator, "dense", feature, dtype, channels)
+    mine = agg_op(inputs, deterministic=True, **options)
+    grad_output = random_grad_output(generator, mine(inputs["value"], inputs["spatial_shapes"],
+                                                     inputs["sampling_locations"],
+                                                     inputs["attention_weights"]))
+    _, first = agg_grads(inputs, grad_output, mine)
+    for _ in range(3):
+        _, again = agg_grads(inputs, grad_output, mine)
+        for name, a, b in zip(GRAD_NAMES, first, again):
+            assert torch.equal(a, b), name
+    expected = oracle_backward_general(inputs, grad_output, **oracle_opts)
+    _, default = agg_grads(inputs, grad_output, agg_op(inputs, **options))
+    for name, g, d, e in zip(GRAD_NAMES, first, default, expected):
+        if dtype == torch.float32:
+            assert rel_l2(g, e) < 1e-5, name
+        elif e.any():  # bf16: as close to the oracle as the default (float-atomic) backward
+            assert rel_l2(g, e) <= 1.5 * rel_l2(d, e) + 1e-3, name
 
 
 @pytest.mark.parametrize("channels", [16, 32, 128])
