@@ -33,6 +33,10 @@
  *   v7 v6 with each item's row and head offset computed once per block instead of per point
  *      (two integer divisions): ddetr_enc 0.188 / 0.157, f16 0.143; m2f_enc 0.171 / 0.140
  *      (v5 with the same change, same run: 0.211 / 0.158, 0.188 / 0.140) <- shipped
+ *   v8 v7 with 8 channels a thread for half types (one 16-byte load a corner, half the groups):
+ *      ddetr_enc bf16 / f16 0.156 / 0.149 (v7 same run 0.158 / 0.145), m2f_enc 0.142 / 0.137
+ *      (0.142 / 0.132), dino_dec900 0.031 / 0.031 (0.017 / 0.016): no gain where the half
+ *      forward is issue-bound, and decoders lose half their threads.
  */
 #include "common.cuh"
 
