@@ -488,9 +488,13 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
         const int il = j / St::K, k = j % St::K;
         int4 offs = make_int4(-1, -1, -1, -1);
         float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
+        /* s_soft is read only with softmax, the one case in which the caller synchronises
+         * after group_softmax_stats (its value is unused otherwise, and reading it then would
+         * race with the write of another group) */
+        const bool soft = OPT && (pr.flags & MSDA_SOFTMAX);
         if (base + il < n_items && k < kn)
             stage_point<T, WEIGHTS, OPT>(pr, s_lvl, s_item[il], p0 + k,
-                                         OPT ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
+                                         soft ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
     }
