@@ -415,10 +415,6 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
 
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
-    if level_start_index is None:
-        levels = _derived_levels(spatial_shapes, device)
-        if levels is not None:
-            return levels
     shapes = _aligned_contiguous(spatial_shapes.to(device))
     if level_start_index is None:
         sizes = shapes[:, 0] * shapes[:, 1]
@@ -426,40 +422,7 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
     else:
         starts = level_start_index
     starts = _aligned_contiguous(starts.to(device=device, dtype=shapes.dtype))
-    levels = _Levels(shapes, starts, None)
-    if level_start_index is None:
-        _remember_derived_levels(spatial_shapes, device, levels)
-    return levels
-
-
-# Level tables derived on the device from a device-side spatial_shapes tensor (level starts by
-# cumsum: three small kernels a call), per tensor object. An entry holds the tensor itself, so
-# its id cannot be reused while cached, and its version counter, so an in-place change misses.
-_derived_cache = {}
-
-
-def _derived_levels(spatial_shapes, device):
-    hit = _derived_cache.get(id(spatial_shapes))
-    if hit is None or hit[0] is not spatial_shapes or hit[2] != device:
-        return None
-    try:
-        if spatial_shapes._version != hit[1]:
-            return None
-    except RuntimeError:  # an inference tensor has no version counter
-        return None
-    return hit[3]
-
-
-def _remember_derived_levels(spatial_shapes, device, levels):
-    if _tracing() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return  # fake tensors, or tables that only a graph replay fills in
-    try:
-        version = spatial_shapes._version
-    except RuntimeError:
-        return
-    if len(_derived_cache) >= 16:
-        _derived_cache.clear()
-    _derived_cache[id(spatial_shapes)] = (spatial_shapes, version, device, levels)
+    return _Levels(shapes, starts, None)
 
 
 def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,

@@ -156,15 +156,16 @@ def test_cuda_value_with_device_spatial_shapes_int32_and_no_start_index(generato
 
 
 def test_device_spatial_shapes_changed_in_place_are_seen(generator):
-    # The level starts derived from a device spatial_shapes tensor are cached per tensor; an
-    # in-place change (same S) must be seen, as must a new tensor with other shapes.
+    # Level starts derived from a device spatial_shapes tensor must follow an in-place change
+    # (same S), also one made through .data (which leaves the version counter alone), and a
+    # new tensor with other shapes.
     inputs = make_inputs(generator, batch=2, queries=5, heads=2, channels=8, points=2,
                          shapes=[(4, 6), (2, 3)], device="cuda")
     shapes = inputs["spatial_shapes"].clone()
     assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=None),
                   oracle_forward(inputs)) < 1e-12
-    for new in ([(6, 4), (3, 2)], [(3, 8), (1, 6)]):
-        shapes.copy_(torch.tensor(new))
+    for new, through_data in (([(6, 4), (3, 2)], False), ([(3, 8), (1, 6)], True)):
+        (shapes.data if through_data else shapes).copy_(torch.tensor(new))
         expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
         out = run_msda(inputs, spatial_shapes=shapes, level_start_index=None)
         assert rel_l2(out, expected) < 1e-12, new
