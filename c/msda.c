@@ -1,7 +1,9 @@
 /* c/msda.c: the public entry points of libpymsda.
  * Each one checks its arguments (a bad one gives MSDA_ERR_INVALID_ARGUMENT and a text naming it),
  * returns early on empty problems, and dispatches to the CPU kernels or the CUDA launchers. */
+#include <limits.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -290,4 +292,44 @@ int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t
     }
     if (device >= 0) return msda_cuda_backward(&pr);
     return msda_needs_general(&pr) ? msda_cpu_backward_general(&pr) : msda_cpu_backward(&pr);
+}
+
+/* The packed entry points (msda.h): unpack and call. */
+#define PACKED_PTR(a) ((void *)(intptr_t)(a))
+
+static int packed_ints_ok(const char *fn, const int64_t *args, const int *which, int n) {
+    for (int i = 0; i < n; i++)
+        if (args[which[i]] < INT_MIN || args[which[i]] > INT_MAX)
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                                  "%s: entry %d = %lld does not fit an int", fn, which[i],
+                                  (long long)args[which[i]]);
+    return MSDA_OK;
+}
+
+/* dtype, index_dtype, device, num_threads and flags: the int parameters of both */
+static const int packed_int_entries[] = {7, 8, 9, 10, 12};
+
+int msda_forward_packed(const int64_t *a) {
+    static const char fn[] = "msda_forward_packed";
+    if (!a) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
+    const int st = packed_ints_ok(fn, a, packed_int_entries, 5);
+    if (st != MSDA_OK) return st;
+    return msda_forward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], (int)a[7], (int)a[8],
+                        (int)a[9], (int)a[10], (const int64_t *)PACKED_PTR(a[11]), (int)a[12],
+                        PACKED_PTR(a[13]), PACKED_PTR(a[14]), PACKED_PTR(a[15]),
+                        PACKED_PTR(a[16]), PACKED_PTR(a[17]), PACKED_PTR(a[18]),
+                        PACKED_PTR(a[19]));
+}
+
+int msda_backward_packed(const int64_t *a) {
+    static const char fn[] = "msda_backward_packed";
+    if (!a) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
+    const int st = packed_ints_ok(fn, a, packed_int_entries, 5);
+    if (st != MSDA_OK) return st;
+    return msda_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], (int)a[7], (int)a[8],
+                         (int)a[9], (int)a[10], (const int64_t *)PACKED_PTR(a[11]), (int)a[12],
+                         PACKED_PTR(a[13]), PACKED_PTR(a[14]), PACKED_PTR(a[15]),
+                         PACKED_PTR(a[16]), PACKED_PTR(a[17]), PACKED_PTR(a[18]),
+                         PACKED_PTR(a[19]), PACKED_PTR(a[20]), PACKED_PTR(a[21]),
+                         PACKED_PTR(a[22]), a[23], PACKED_PTR(a[24]));
 }

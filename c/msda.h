@@ -77,7 +77,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 2
+#define MSDA_ABI_VERSION 3
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -145,6 +145,14 @@ MSDA_API int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L
                            void *grad_value, void *grad_sampling_locations,
                            void *grad_attention_weights, void *workspace,
                            int64_t workspace_bytes, void *stream);
+
+/* msda_forward and msda_backward with their arguments packed in one array of int64, in the
+ * parameter order above (20 entries for the forward, 25 for the backward): int arguments
+ * widened, a pointer as its address, NULL as 0. Same checks and results. For callers that pay
+ * per argument: Python's ctypes converts 20 arguments in about 1.5 us, packs them with
+ * struct.pack in about 0.3. An int entry outside the range of int is refused. */
+MSDA_API int msda_forward_packed(const int64_t *args);
+MSDA_API int msda_backward_packed(const int64_t *args);
 
 /* Bytes of device workspace msda_backward needs for these sizes, dtype, device and flags (0 when
  * it needs none: on the CPU, or without MSDA_DETERMINISTIC); -1 (with msda_last_error set) for

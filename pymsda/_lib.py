@@ -7,7 +7,7 @@ raises ImportError that names every path tried and why it was refused.
 import ctypes
 import os
 
-ABI_VERSION = 2  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 3  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)
@@ -57,6 +57,11 @@ _SIGNATURES = {
     #                   void *grad_attention_weights, void *workspace, int64 workspace_bytes,
     #                   void *stream)
     "msda_backward": (_int, _SIZES + [_int] * 4 + [_ptr, _int] + [_ptr] * 10 + [_i64, _ptr]),
+    # int msda_forward_packed(const int64 *args), int msda_backward_packed(const int64 *args):
+    # the arguments above packed as int64s (ops.py packs them with struct, a fresh bytes object
+    # per call, so concurrent calls never share a buffer)
+    "msda_forward_packed": (_int, [_str]),
+    "msda_backward_packed": (_int, [_str]),
     # int64 msda_backward_workspace_size(int64 B, S, H, C, L, Q, P, int dtype, int device,
     #                                    int flags)
     "msda_backward_workspace_size": (_i64, _SIZES + [_int] * 3),

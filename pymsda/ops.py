@@ -12,6 +12,7 @@ through it.
 """
 import ctypes
 import os
+import struct
 from typing import List, Optional, Tuple
 
 import torch
@@ -104,18 +105,36 @@ def _check_tensors(value, sampling_locations, attention_weights, per_level):
     """Types, ranks, devices and the sizes value, sampling_locations and attention_weights share.
     Returns (B, S, H, C, Q, P, L); L is sampling_locations' level count, None without per_level
     (num_points_list), where P is then the number of points of all levels."""
+    # One pass for the common call (a few hundred nanoseconds); anything unexpected goes to the
+    # checks below, which name whatever is wrong.
+    try:
+        if (isinstance(value, torch.Tensor) and value.dtype in _DTYPE_CODE
+                and sampling_locations.dtype in _DTYPE_CODE
+                and attention_weights.dtype in _DTYPE_CODE):
+            B, S, H, C = value.shape
+            if per_level:
+                Bl, Q, Hl, L, P, two = sampling_locations.shape
+                attn_ok = attention_weights.shape == (B, Q, H, L, P)
+            else:
+                Bl, Q, Hl, P, two = sampling_locations.shape
+                L = None
+                attn_ok = attention_weights.shape == (B, Q, H, P)
+            if two == 2 and Bl == B and Hl == H and attn_ok:
+                device = value.device
+                if sampling_locations.device == device and attention_weights.device == device:
+                    return B, S, H, C, Q, P, L
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return _check_tensors_named(value, sampling_locations, attention_weights, per_level)
+
+
+def _check_tensors_named(value, sampling_locations, attention_weights, per_level):
+    """_check_tensors' checks one by one: raises, naming the argument, for the first one that
+    fails; returns as _check_tensors when none does."""
     loc_ndim = 6 if per_level else 5
-    try:  # one pass for the common call; the checks below name whatever is wrong
-        ok = (value.dtype in _DTYPE_CODE and sampling_locations.dtype in _DTYPE_CODE
-              and attention_weights.dtype in _DTYPE_CODE and value.dim() == 4
-              and sampling_locations.dim() == loc_ndim
-              and attention_weights.dim() == loc_ndim - 1)
-    except (AttributeError, TypeError):
-        ok = False
-    if not ok or not isinstance(value, torch.Tensor):
-        _check_float_tensor("value", value, 4)
-        _check_float_tensor("sampling_locations", sampling_locations, loc_ndim)
-        _check_float_tensor("attention_weights", attention_weights, loc_ndim - 1)
+    _check_float_tensor("value", value, 4)
+    _check_float_tensor("sampling_locations", sampling_locations, loc_ndim)
+    _check_float_tensor("attention_weights", attention_weights, loc_ndim - 1)
     B, S, H, C = value.shape
     loc_shape = sampling_locations.shape
     if per_level:
@@ -277,12 +296,22 @@ class _Levels:
     host_starts: then the level start offsets, and total the sum of H*W.
     """
 
-    __slots__ = ("shapes", "starts", "index_code", "host", "host_starts", "total")
+    __slots__ = ("shapes", "starts", "index_code", "host", "host_starts", "total", "pointers",
+                 "L")
 
     def __init__(self, shapes, starts, host, host_starts=None, total=None):
         self.shapes, self.starts, self.host = shapes, starts, host
         self.host_starts, self.total = host_starts, total
         self.index_code = _INDEX_CODE[shapes.dtype]
+        self.L = shapes.shape[0]
+        self.pointers = None  # (shapes, starts) data pointers, read at the first library call
+
+    def read_pointers(self):
+        """The tables' data pointers, read once: the two tensors are this object's own (cached
+        copies made here, or per-call views), which nothing resizes. Not read before a library
+        call, since fake and meta tensors have none."""
+        self.pointers = (self.shapes.data_ptr(), self.starts.data_ptr())
+        return self.pointers
 
 
 def _starts_of(pairs):
@@ -435,12 +464,15 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     per_level = num_points_list is None
     B, S, H, C, Q, P, L = _check_tensors(value, sampling_locations, attention_weights, per_level)
     levels = _prepare_levels(spatial_shapes, level_start_index, S, value.device, validate)
-    L_tables = levels.shapes.shape[0]
-    lp = total = None
+    L_tables = levels.L
+    lp = None
     if not per_level:
         total, lp = _level_points(num_points_list, L_tables)
-    L = _check_levels(L_tables, L, P, num_points_list, sampling_locations, total)
-    _check_min_sizes(H, C, L, P)
+        L = _check_levels(L_tables, L, P, num_points_list, sampling_locations, total)
+    elif L_tables != L:
+        _check_levels(L_tables, L, P, None, sampling_locations)  # raises
+    if C < 1 or H < 1 or L < 1 or P < 1:
+        _check_min_sizes(H, C, L, P)  # raises
     _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
     # Mixed float dtypes (autocast) follow value's dtype.
@@ -465,16 +497,28 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
 # ---------------------------------------------------------------------------------------------
 # calls into the C library
 
-_msda_forward, _msda_backward = lib.msda_forward, lib.msda_backward
+# The packed entry points (c/msda.h): struct packs the arguments into a fresh bytes object (its
+# own per call, so threads never share one) in about a fifth of the time ctypes takes to convert
+# twenty separate arguments.
+_forward_packed, _backward_packed = lib.msda_forward_packed, lib.msda_backward_packed
+_pack_forward, _pack_backward = struct.Struct("20q").pack, struct.Struct("25q").pack
+
+
+def _msda_backward(*args):
+    """msda_backward's arguments in its order (level_points a ctypes array, None for NULL)."""
+    args = list(args)
+    if args[11] is not None:
+        args[11] = ctypes.addressof(args[11])
+    return _backward_packed(_pack_backward(*[0 if a is None else a for a in args]))
 
 
 def _device_args(t):
     """(device, stream, num_threads) for the C call: the CUDA ordinal of t and the current
-    stream of that device (not of the current device), or -1 and torch's CPU thread count."""
+    stream of that device (not of the current device), or -1, 0 and torch's CPU thread count."""
     if t.is_cuda:
         index = t.get_device()
         return index, _current_stream(index), 0
-    return -1, None, torch.get_num_threads()
+    return -1, 0, torch.get_num_threads()
 
 
 def _check(status):
@@ -487,10 +531,11 @@ def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     out = value.new_empty((B, Q, H * C))
     device, stream, threads = _device_args(value)
-    status = _msda_forward(
+    shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
+    status = _forward_packed(_pack_forward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(),
-        loc.data_ptr(), attn.data_ptr(), out.data_ptr(), stream)
+        0 if lp is None else ctypes.addressof(lp), flags, value.data_ptr(), shapes_ptr,
+        starts_ptr, loc.data_ptr(), attn.data_ptr(), out.data_ptr(), stream))
     if status:
         _check(status)
     return out
@@ -518,9 +563,10 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
             _check(_lib.ERR_INVALID_ARGUMENT)
         if workspace_bytes > 0:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
+    shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
     status = _msda_backward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        lp, flags, value.data_ptr(), levels.shapes.data_ptr(), levels.starts.data_ptr(),
+        lp, flags, value.data_ptr(), shapes_ptr, starts_ptr,
         loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
         grad_value.data_ptr() if need_value else None,
         grad_loc.data_ptr() if need_loc else None,
@@ -760,6 +806,8 @@ def _ms_deform_attn_traced(value, spatial_shapes, level_start_index, sampling_lo
 
 
 _SAMPLING_FLAGS = {"bilinear": 0, "nearest": _lib.FLAG_NEAREST}
+_deterministic_algorithms = torch.are_deterministic_algorithms_enabled
+_Tensor = torch.Tensor
 
 
 def _flags(sampling, softmax, deterministic):
@@ -857,16 +905,23 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         shape table, each naming the argument; ValueError or RuntimeError from the library
         (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
-    flags = _flags(sampling, softmax, deterministic)
-    if HAS_TORCH_LIBRARY_OPS and _traced(value, sampling_locations, attention_weights):
+    if sampling == "bilinear" and not softmax and deterministic is None:  # the common call
+        flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
+    else:
+        flags = _flags(sampling, softmax, deterministic)
+    if HAS_TORCH_LIBRARY_OPS and (
+            _is_compiling() or _dispatch_modes() or not (
+                type(value) is _Tensor and type(sampling_locations) is _Tensor
+                and type(attention_weights) is _Tensor)) and _traced(
+                    value, sampling_locations, attention_weights):
         return _ms_deform_attn_traced(value, spatial_shapes, level_start_index,
                                       sampling_locations, attention_weights, num_points_list,
                                       flags)
     value, levels, loc, attn, sizes, lp = _prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         validate, num_points_list)
-    device = value.device
-    if not _library_serves(device):
+    if not (_has_cuda_kernels if value.is_cuda else value.device.type == "cpu"):
+        device = value.device  # a device the library does not serve
         if device.type == "meta":
             return _MetaMSDA.apply(value, loc, attn, sizes)
         return _reference(value, levels.host if levels.host is not None else levels.shapes,

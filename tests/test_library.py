@@ -263,3 +263,44 @@ def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, mon
     # torch only behind an extra: installing the wheel never makes pip fetch a torch.
     assert not re.search(r"^Requires-Dist: torch\b[^;]*$", metadata, re.M), metadata[:2000]
     assert "Root-Is-Purelib: false" in tags and "Tag: py3-none-" in tags
+
+
+def test_packed_entry_points_match_the_plain_ones():
+    """msda_forward_packed / msda_backward_packed (the path ops.py takes) give the bits of
+    msda_forward / msda_backward on the same arguments, and refuse NULL and int entries that do
+    not fit an int, naming the entry."""
+    import struct
+    from pymsda import _lib
+    lib = _lib.lib
+    g = torch.Generator().manual_seed(5)
+    B, S, H, C, L, Q, P = 2, 20, 2, 8, 2, 7, 3
+    shapes = torch.tensor([[4, 4], [2, 2]])
+    starts = torch.tensor([0, 16])
+    value = torch.randn(B, S, H, C, generator=g)
+    loc = torch.rand(B, Q, H, L, P, 2, generator=g) * 1.2 - 0.1
+    attn = torch.rand(B, Q, H, L, P, generator=g)
+    grad_out = torch.randn(B, Q, H * C, generator=g)
+    head = (B, S, H, C, L, Q, P, _lib.DTYPE_F32, _lib.INDEX_I64, -1, 1)
+    inputs = (value.data_ptr(), shapes.data_ptr(), starts.data_ptr(), loc.data_ptr(),
+              attn.data_ptr())
+    outs = [torch.full((B, Q, H * C), float("nan")) for _ in range(2)]
+    assert lib.msda_forward(*head, None, 0, *inputs, outs[0].data_ptr(), None) == _lib.OK
+    packed = struct.pack("20q", *head, 0, 0, *inputs, outs[1].data_ptr(), 0)
+    assert lib.msda_forward_packed(packed) == _lib.OK
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+
+    grads = [[torch.full(t.shape, float("nan")) for t in (value, loc, attn)] for _ in range(2)]
+    assert lib.msda_backward(*head, None, 0, *inputs, grad_out.data_ptr(),
+                             *(t.data_ptr() for t in grads[0]), None, 0, None) == _lib.OK
+    packed = struct.pack("25q", *head, 0, 0, *inputs, grad_out.data_ptr(),
+                         *(t.data_ptr() for t in grads[1]), 0, 0, 0)
+    assert lib.msda_backward_packed(packed) == _lib.OK
+    for a, b in zip(*grads):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+    assert lib.msda_forward_packed(None) == _lib.ERR_INVALID_ARGUMENT
+    assert b"NULL" in lib.msda_last_error()
+    bad = struct.pack("20q", *head[:9], 2 ** 40, *head[10:], 0, 0, *inputs,
+                      outs[1].data_ptr(), 0)
+    assert lib.msda_forward_packed(bad) == _lib.ERR_INVALID_ARGUMENT
+    assert b"entry 9" in lib.msda_last_error()
