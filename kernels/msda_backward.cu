@@ -107,6 +107,14 @@
  *      integer atomic per row and channel): ddetr_enc 3.088 -> 1.600 ms / bf16 2.956 -> 1.613,
  *      m2f_enc 2.678 -> 1.564 (2.8-3.0x the default backward, was 5.2-5.6x); decoders keep the
  *      per-point kernel (dino_dec900 0.280, rtdetr_dec_b8 0.381: 3.3-3.6x).
+ *   v18 v17 with a hash table of NS positions instead of 2 * NS (37.4 instead of 45.6 KB of
+ *      shared memory a block, so the 5 resident blocks leave the L1 about 60 KB): ddetr_enc
+ *      0.535 / 0.550, m2f_enc 0.514 / 0.533 (v17 in the same run, alternated: 0.532 / 0.546,
+ *      0.509 / 0.529); uniform locations 1.229 vs 1.222 ms. The walk does not profit from L1.
+ *   v19 v17 capped at 4 blocks per multiprocessor (56 registers instead of 48): 0.576 / 0.591,
+ *      m2f 0.550 / 0.571: the lost warps cost more than the registers gain.
+ *   v20 v18 with 6 blocks per multiprocessor (40 registers: 32 bytes of spills): 0.536 / 0.551,
+ *      m2f 0.508 / 0.529: even.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
