@@ -48,10 +48,12 @@
  *   split: every grad_value row gets its contributions in query order whoever owns it, and the
  *   point gradients always come from the one compiled variant of the backward loop (two variants
  *   could contract the same sums into FMAs differently). The reduction trees are the same in
- *   every clone; only FMA contraction (x86-64-v3 clone) changes the last bits between machines.
- * Vector width: the kernels (FORWARD_ROWS, BACKWARD_TASK) are built twice with target_clones,
- *   x86-64-v3 (AVX2 + FMA) and the baseline; an ifunc picks one at load time. No -march=native.
- *   Elsewhere (aarch64, clang) the baseline build only.
+ *   every clone; only FMA contraction (the x86-64-v3 and v4 clones, which measured bitwise equal
+ *   to each other) changes the last bits between machines.
+ * Vector width: the kernels (FORWARD_ROWS, BACKWARD_TASK) are built three times with
+ *   target_clones, x86-64-v4 (AVX-512; still 32-byte vectors in the channel loops, but 32
+ *   registers and 8-lane double geometry), x86-64-v3 (AVX2 + FMA) and the baseline; an ifunc
+ *   picks one at load time. No -march=native. Elsewhere (aarch64, clang) the baseline build only.
  * Threads: the caller's count (pymsda passes torch.get_num_threads()), tasks handed out through
  *   an atomic counter, so a thread that starts late or is preempted leaves its share to the
  *   others. libpymsda links libgomp.so.1 and torch's pip wheels ship a libgomp.so.1 too: the
@@ -136,29 +138,55 @@
  *      than any change here: in some processes glibc trims and regrows the heap on every call
  *      and the grad_value zeroing takes ~85 page faults a call (3.0 against 2.4-2.6 ms a call);
  *      others have none.
+ *   v12 (issue 7 again; 1 thread: thread CPU time, min / median of 60-90 calls, libraries
+ *      interleaved in one process). Where v11's backward goes now, dec300 f32, 1 thread: 2.29 ms
+ *      (v12 code); without the zeroing 2.14; without it and with every corner row in 8 positions
+ *      (all in L1) 1.62: ~70% instructions, ~23% memory, ~7% zeroing (2 threads, v11: zeroing
+ *      0.07-0.1 ms of 1.34-1.51). Instructions matter most, so:
+ *      an x86-64-v4 (AVX-512) clone beside v3 and the baseline (GCC keeps the channel loops'
+ *      32-byte vectors, but has 32 registers instead of 16, mask compares and 8-lane double
+ *      geometry), bitwise equal to the v3 clone on the bench inputs: dec300 f32 fwd 1.178 /
+ *      1.218 -> 1.092 / 1.123 ms, bwd 2.552 / 2.739 -> 2.310 / 2.517; bf16 fwd 1.093 / 1.109 ->
+ *      0.987 / 1.034, bwd 2.849 / 2.975 -> 2.698 / 2.833; f16 fwd 3.11 / 3.20 -> 2.26 / 2.34, bwd
+ *      4.88 / 4.97 -> 3.75 / 3.87; f64 fwd 2.25 / 2.47 -> 2.30 / 2.51 (noise), bwd 5.31 / 5.58 ->
+ *      5.04 / 5.36; small_enc f32 fwd 1.93 / 1.98 -> 1.64 / 1.71, bwd 3.73 / 3.98 -> 3.10 / 3.29;
+ *      ddetr_dec f32 fwd 1.60 / 1.71 -> 1.49 / 1.59, bwd 4.55 / 4.68 -> 4.23 / 4.40 (the AVX-512
+ *      clone tried before v7 lost on bf16; the vectorised geometry and explicit vectors since
+ *      changed that). VSPLAT as x - 0 instead of 0 + x (GCC may drop the first, not the second:
+ *      4-8 adds a point fewer): bwd -1..-3%, fwd unchanged. Both together, dec300 f32: 1 thread
+ *      fwd 1.208 / 1.330 -> 1.115 / 1.221 ms, bwd 2.720 / 2.863 -> 2.536 / 2.644; 2 threads
+ *      (wall, 120 calls) fwd 0.639 / 0.699 -> 0.576 / 0.646, bwd 1.317 / 1.435 -> 1.193 / 1.316.
  *      <- shipped.
- *   Not shipped: a 4-line unrolled prefetch for rows up to 256 bytes (forward 1.8x slower: it
- *   changed how GCC compiled the forward loop); skipping the backward-only geometry fields in the
- *   forward (no gain); head blocks of 4 instead of 2 for small_enc on 2 threads (-4%, in the
- *   noise; the finer tasks kept for a preempted thread's sake); head blocks of 4 (or 2) instead
- *   of whole batches for dec300 on 2 threads (bwd min 1.55 (1.59) against 1.38 ms); locating
- *   2 or 3 groups ahead instead of 1 (no change: the backward is bound by memory throughput, not
- *   latency); prefetching the next group point by point inside the current one instead of all
- *   at once (+8%). Before v7: an AVX-512 clone
- *   (f32/f64 -3..-7%, bf16 backward +18..+27%); zeroing each
- *   (b, h) slice in its own task instead of the shared memset (+0..+15%); a two-phase backward,
- *   point gradients over (b, q) rows like the forward and grad_value over (b, h) (small_enc
- *   +12..+21%, decoders +-3%); grad_value contributions counting-sorted by row and applied in
- *   one sweep that writes each row once, no memset (1.15-2.7x slower: strided stores read each
- *   line first); the split mode for every shape (dec300 backward +15%). For v11: no zeroing
- *   pass, a bit per grad_value row of the task instead (set when a row is first scattered to,
- *   whose stale contents a mask then ignores; unreached rows zeroed after the task): dec300 bwd
- *   1 thread 3.08 -> 3.90 ms (+90 instructions a point: the bit test-and-set per corner is a
- *   chain through memory, and the zeroing it saves cost only 0.1-0.19 ms); zeroing the batch
- *   with non-temporal stores (2 threads bwd +10%: the scatter then reads every row from DRAM).
- *   The forward walking its task's rows head by head (each head's rays of ~18 neighbouring
- *   queries overlap) instead of query by query: dec300 fwd 1.143 -> 1.316 ms; the forward
- *   locating 2 groups ahead instead of 1: 1.695 -> 1.720 (median, busy machine), no gain.
+ *   Not shipped (v12 round, 1 thread, dec300 f32 bwd): the grad_output row held in 4 vector
+ *   registers across the group's points with a constant 4-vector channel loop for C = 4 VL
+ *   (v3 +8%: GCC spilled them and the temporaries with 16 registers; v4 +1%); the constant
+ *   4-vector loop alone, grad_output from memory (v3 +5%, v4 +6..+9%); one prefetch per row of
+ *   <= 128 bytes, its first line only, in the hope that the adjacent-line prefetcher brings the
+ *   second (bwd 1.75x, fwd 1.9x slower: it does not); the three point sums of 8 points reduced
+ *   together by REDUCE3's tree (3 shuffle-add levels for 8 sums, bitwise equal), the point
+ *   gradients then stored by a loop over the group: bwd 2.382 / 2.556 -> 2.488 / 2.717 (+5%:
+ *   the vectors' round trip through the stack costs more than the shuffles it saves).
+ *   Not shipped before: a 4-line unrolled prefetch for rows up to 256 bytes (forward 1.8x slower:
+ *   it changed how GCC compiled the forward loop); skipping the backward-only geometry fields in
+ *   the forward (no gain); head blocks of 4 instead of 2 for small_enc on 2 threads (-4%, in the
+ *   noise; the finer tasks kept for a preempted thread's sake); head blocks of 4 (or 2) instead of
+ *   whole batches for dec300 on 2 threads (bwd min 1.55 (1.59) against 1.38 ms); locating 2 or 3
+ *   groups ahead instead of 1 (no change: the backward is bound by memory throughput, not latency);
+ *   prefetching the next group point by point inside the current one instead of all at once (+8%).
+ *   Before v7: an AVX-512 clone (f32/f64 -3..-7%, bf16 backward +18..+27%; shipped in v12); zeroing
+ *   each (b, h) slice in its own task instead of the shared memset (+0..+15%); a two-phase
+ *   backward, point gradients over (b, q) rows like the forward and grad_value over (b, h)
+ *   (small_enc +12..+21%, decoders +-3%); grad_value contributions counting-sorted by row and
+ *   applied in one sweep that writes each row once, no memset (1.15-2.7x slower: strided stores
+ *   read each line first); the split mode for every shape (dec300 backward +15%). For v11: no
+ *   zeroing pass, a bit per grad_value row of the task instead (set when a row is first scattered
+ *   to, whose stale contents a mask then ignores; unreached rows zeroed after the task): dec300 bwd
+ *   1 thread 3.08 -> 3.90 ms (+90 instructions a point: the bit test-and-set per corner is a chain
+ *   through memory, and the zeroing it saves cost only 0.1-0.19 ms); zeroing the batch with
+ *   non-temporal stores (2 threads bwd +10%: the scatter then reads every row from DRAM). The
+ *   forward walking its task's rows head by head (each head's rays of ~18 neighbouring queries
+ *   overlap) instead of query by query: dec300 fwd 1.143 -> 1.316 ms; the forward locating 2 groups
+ *   ahead instead of 1: 1.695 -> 1.720 (median, busy machine), no gain.
  *   After v11, for decoders: a gather backward (8-byte records per inside corner: f32
  *   coefficient and packed query and row; a stable counting sort by row per task; one pass over
  *   the task's rows in memory order writing each once, zeros or the sum of coefficient times
@@ -189,12 +217,17 @@
 // ---------------------------------------------------------------------------------------------
 // helpers
 
-/* Kernels whose inner loops pay off with wider vectors get an AVX2+FMA (x86-64-v3) clone beside
- * the baseline one; the loader picks one per process through an ifunc. Elsewhere (aarch64,
- * compilers without target_clones) the attribute is empty and the baseline build is used. */
+/* Kernels whose inner loops pay off with wider vectors get AVX-512 (x86-64-v4) and AVX2+FMA
+ * (x86-64-v3) clones beside the baseline one; the loader picks one per process through an ifunc.
+ * The v4 clone keeps the backward's 32-byte vectors (GCC's generic tuning prefers 256-bit ones)
+ * but has 32 vector registers (no spills around the channel loops), mask compares and 8-lane
+ * double geometry: fewer instructions a point, the same operations and results as v3 (v12 in
+ * the header). Elsewhere (aarch64, compilers without target_clones) the attribute is empty and
+ * the baseline build is used. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
     !defined(MSDA_NO_CLONES)
-#define MSDA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define MSDA_CLONES \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define MSDA_CLONES
 #endif
@@ -343,8 +376,10 @@ static void split_range(int64_t n, int part, int parts, int64_t *begin, int64_t 
 /* Element loads and stores (load_f32 ... store_bf16): c/half.h. */
 
 /* 32-byte vectors (GCC / clang vector extensions) for the backward's channel loops: VL lanes of
- * the accumulation type; LOADV converts VL stored elements. A target without 256-bit registers
- * splits each operation in two, with the same results. */
+ * the accumulation type; LOADV converts VL stored elements; VSPLAT broadcasts a scalar, as
+ * x - 0 (exact, so GCC drops the subtraction; 0 + x, which is not exact for x = -0, cost an
+ * add per broadcast). A target without 256-bit registers splits each operation in two, with
+ * the same results. */
 typedef float msda_v8f __attribute__((vector_size(32)));
 typedef double msda_v4d __attribute__((vector_size(32)));
 typedef uint16_t msda_v8h __attribute__((vector_size(16)));
@@ -418,7 +453,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define SUFFIX f32
 #define VEC msda_v8f
 #define VL 8
-#define VSPLAT(x) ((msda_v8f){0} + (x))
+#define VSPLAT(x) ((x) - (msda_v8f){0})
 #define REDUCE3 reduce3_v8f
 #define CHUNK 32
 #define HALF_STORAGE 0
@@ -429,7 +464,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define SUFFIX f64
 #define VEC msda_v4d
 #define VL 4
-#define VSPLAT(x) ((msda_v4d){0} + (x))
+#define VSPLAT(x) ((x) - (msda_v4d){0})
 #define REDUCE3 reduce3_v4d
 #define CHUNK 16
 #define HALF_STORAGE 0
@@ -440,7 +475,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define SUFFIX f16
 #define VEC msda_v8f
 #define VL 8
-#define VSPLAT(x) ((msda_v8f){0} + (x))
+#define VSPLAT(x) ((x) - (msda_v8f){0})
 #define REDUCE3 reduce3_v8f
 #define CHUNK 32
 #define HALF_STORAGE 1
@@ -451,7 +486,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define SUFFIX bf16
 #define VEC msda_v8f
 #define VL 8
-#define VSPLAT(x) ((msda_v8f){0} + (x))
+#define VSPLAT(x) ((x) - (msda_v8f){0})
 #define REDUCE3 reduce3_v8f
 #define CHUNK 32
 #define HALF_STORAGE 1
