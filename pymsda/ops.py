@@ -473,7 +473,8 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
         _check_levels(L_tables, L, P, None, sampling_locations)  # raises
     if C < 1 or H < 1 or L < 1 or P < 1:
         _check_min_sizes(H, C, L, P)  # raises
-    _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
+    if B * H * (S * C + Q * C + Q * L * P * 2) > _MAX_ELEMENTS:  # (nothing near it, at once)
+        _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
     # Mixed float dtypes (autocast) follow value's dtype.
     dtype = value.dtype
@@ -530,7 +531,11 @@ def _check(status):
 def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     out = value.new_empty((B, Q, H * C))
-    device, stream, threads = _device_args(value)
+    if value.is_cuda:  # _device_args, inline
+        device = value.get_device()
+        stream, threads = _current_stream(device), 0
+    else:
+        device, stream, threads = -1, 0, torch.get_num_threads()
     shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
     status = _forward_packed(_pack_forward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
@@ -613,6 +618,28 @@ class _MSDA(torch.autograd.Function):
         if torch.is_grad_enabled():
             return _grads_once_differentiable(ctx, grad_out)
         return _grads_of_node(ctx, grad_out)
+
+
+def _find_apply_direct():
+    """torch.autograd.Function.apply is a Python wrapper (functorch transforms, setup_context's
+    default arguments) around the C++ apply of torch._C._FunctionBase. Outside functorch
+    transforms _MSDA, which has no setup_context, needs none of it, and calling the C++ apply
+    directly saves about 2 us a call (4-5 on a slow host). None where this torch is laid out
+    otherwise: then _MSDA.apply is used."""
+    if _functorch_active is None:
+        return None
+    try:
+        direct = super(torch.autograd.Function, _MSDA).apply
+    except AttributeError:
+        return None
+    wrapper = getattr(torch.autograd.Function.apply, "__func__", None)
+    if getattr(direct, "__func__", None) is wrapper or getattr(direct, "__self__", None) is not _MSDA:
+        return None
+    return direct
+
+
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_apply_direct = _find_apply_direct()
 
 
 def _library_serves(device):
@@ -927,6 +954,8 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         return _reference(value, levels.host if levels.host is not None else levels.shapes,
                           loc, attn, num_points_list, flags)
     if torch.is_grad_enabled() and (value.requires_grad or loc.requires_grad or attn.requires_grad):
+        if _apply_direct is not None and not _functorch_active():
+            return _apply_direct(value, loc, attn, (levels, sizes, lp, flags))
         return _MSDA.apply(value, loc, attn, (levels, sizes, lp, flags))
     return _forward(value, levels, loc, attn, sizes, lp, flags)  # no graph: skip autograd
 

@@ -206,3 +206,38 @@ def test_gradients_far_outside_the_map_are_zero(generator, device):
     actual = grads_of(pymsda.ms_deform_attn, inputs, grad_output)
     for name in GRAD_NAMES:
         assert torch.count_nonzero(actual[name]) == 0, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_autograd_apply_matches_the_public_one(generator, device, monkeypatch):
+    """Eager calls build their autograd node through the C++ apply of torch._C._FunctionBase
+    (ops._apply_direct, skipping Function.apply's Python wrapper); the public
+    torch.autograd.Function.apply must give the same node type and the same gradients, bit for
+    bit, and the in-place check of saved inputs must still fire."""
+    from pymsda import ops
+    if ops._apply_direct is None:
+        pytest.skip("this torch lays out autograd.Function differently: the public apply is used")
+    inputs = make_inputs(generator, dtype=torch.float64, device=device, kink_free=True,
+                         **random_case(generator))
+    grad_output = random_grad_output(generator, output_like(inputs))
+    direct = grads_of(pymsda.ms_deform_attn, inputs, grad_output)
+    monkeypatch.setattr(ops, "_apply_direct", None)
+    public = grads_of(pymsda.ms_deform_attn, inputs, grad_output)
+    for name in GRAD_NAMES:
+        assert torch.equal(direct[name], public[name]), name
+    expected = oracle_backward(inputs, grad_output)
+    for name, want in zip(GRAD_NAMES, expected):
+        assert rel_l2(direct[name], want) < 1e-11, name
+    monkeypatch.undo()
+    value = inputs["value"].detach().clone().requires_grad_(True)
+    out = pymsda.ms_deform_attn(value * 1.0, inputs["spatial_shapes"], None,
+                                inputs["sampling_locations"], inputs["attention_weights"])
+    assert type(out.grad_fn).__name__ == "_MSDABackward"
+    leaf = inputs["sampling_locations"].detach().clone().requires_grad_(True)
+    out = pymsda.ms_deform_attn(inputs["value"], inputs["spatial_shapes"], None, leaf * 1.0,
+                                inputs["attention_weights"])
+    saved = out.grad_fn.saved_tensors[1]
+    with torch.no_grad():
+        saved.add_(0.0)  # bumps the version counter of a saved input
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
