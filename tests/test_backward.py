@@ -212,8 +212,9 @@ def test_gradients_far_outside_the_map_are_zero(generator, device):
 def test_direct_autograd_apply_matches_the_public_one(generator, device, monkeypatch):
     """Eager calls build their autograd node through the C++ apply of torch._C._FunctionBase
     (ops._apply_direct, skipping Function.apply's Python wrapper); the public
-    torch.autograd.Function.apply must give the same node type and the same gradients, bit for
-    bit, and the in-place check of saved inputs must still fire."""
+    torch.autograd.Function.apply must give the same node type and the same gradients (bit for
+    bit but for CUDA's atomically summed grad_value), and the in-place check of saved inputs
+    must still fire."""
     from pymsda import ops
     if ops._apply_direct is None:
         pytest.skip("this torch lays out autograd.Function differently: the public apply is used")
@@ -224,7 +225,10 @@ def test_direct_autograd_apply_matches_the_public_one(generator, device, monkeyp
     monkeypatch.setattr(ops, "_apply_direct", None)
     public = grads_of(pymsda.ms_deform_attn, inputs, grad_output)
     for name in GRAD_NAMES:
-        assert torch.equal(direct[name], public[name]), name
+        if device == "cuda" and name == "value":  # float atomics: the order of the sums varies
+            assert rel_l2(direct[name], public[name]) < 1e-13, name
+        else:
+            assert torch.equal(direct[name], public[name]), name
     expected = oracle_backward(inputs, grad_output)
     for name, want in zip(GRAD_NAMES, expected):
         assert rel_l2(direct[name], want) < 1e-11, name
