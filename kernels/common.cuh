@@ -297,11 +297,16 @@ __device__ __forceinline__ void load_vec(const __half *p, float (&v)[4]) {
     const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
     v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
 }
+/* bf16 is the upper half of an f32: the low element of a word widens with a shift, the high one
+ * with a mask (one instruction each; __bfloat1622float2 took a PRMT and a shift for the high) */
+__device__ __forceinline__ void bf16x2_to_float(unsigned w, float &lo, float &hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
 __device__ __forceinline__ void load_vec(const __nv_bfloat16 *p, float (&v)[4]) {
     const uint2 u = __ldg(reinterpret_cast<const uint2 *>(p));
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    bf16x2_to_float(u.x, v[0], v[1]);
+    bf16x2_to_float(u.y, v[2], v[3]);
 }
 
 __device__ __forceinline__ void store_vec(float *p, const float (&v)[4]) {

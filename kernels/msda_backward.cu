@@ -115,6 +115,16 @@
  *      m2f 0.550 / 0.571: the lost warps cost more than the registers gain.
  *   v20 v18 with 6 blocks per multiprocessor (40 registers: 32 bytes of spills): 0.536 / 0.551,
  *      m2f 0.508 / 0.529: even.
+ *   v21 v17 with the aggregated kernel's shared arrays in one struct (one base address: with
+ *      separate arrays the compiler, at 48 registers, rebuilt each one's shared-window address
+ *      inside the walk loop; the loop went from 59 to 47 instructions a step), offsets used as
+ *      unsigned (one IMAD.WIDE.U32 an address) and bf16 widened by a shift or a mask: ddetr_enc
+ *      f32 / bf16 0.532 / 0.547 -> 0.525 / 0.534 ms, m2f_enc 0.508 / 0.528 -> 0.499 / 0.515;
+ *      decoders unchanged; deterministic 1.599 -> 1.610 (its instantiations now spill 8 bytes)
+ *      (v17 alternated in the same session). The kernel is as much bound by L1 / shared-memory
+ *      throughput (ncu: 81%) as by issue, so fewer instructions gained little. <- shipped
+ *      The forward's opaque register-pair pointer (msda_forward.cu v9) here: 8-32 bytes of
+ *      spills in the per-point and aggregated kernels; not used.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -310,17 +320,17 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     if (o[c] >= 0) {
-                        if (point_grads) load_vec(value + o[c], v[c]);
+                        if (point_grads) load_vec(value + (unsigned)o[c], v[c]);
                         if (grad_value) {
                             if (DET) { /* lanes of a group on consecutive 8-byte words */
 #pragma unroll
                                 for (int j = 0; j < V; j++)
-                                    det_add(det_acc + o[c] + j * G, a * w[c] * go_det[j], scale);
+                                    det_add(det_acc + (unsigned)o[c] + j * G, a * w[c] * go_det[j], scale);
                             } else {
                                 float contrib[V];
 #pragma unroll
                                 for (int j = 0; j < V; j++) contrib[j] = a * w[c] * go[j];
-                                atomic_add_vec<V>(grad_value + o[c], contrib);
+                                atomic_add_vec<V>(grad_value + (unsigned)o[c], contrib);
                             }
                         }
                     } else {
@@ -410,12 +420,10 @@ __device__ __forceinline__ void load_vec8(const __half *p, float (&v)[8]) {
 }
 __device__ __forceinline__ void load_vec8(const __nv_bfloat16 *p, float (&v)[8]) {
     const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 f = __bfloat1622float2(h[q]);
-        v[2 * q] = f.x, v[2 * q + 1] = f.y;
-    }
+    bf16x2_to_float(u.x, v[0], v[1]);
+    bf16x2_to_float(u.y, v[2], v[3]);
+    bf16x2_to_float(u.z, v[4], v[5]);
+    bf16x2_to_float(u.w, v[6], v[7]);
 }
 
 /* Aggregated backward (not MSDA_DETERMINISTIC, G >= 4; chosen by aggregates()). A block holds
@@ -446,22 +454,44 @@ template <typename T, int G, bool OPT, bool DET, bool FULL>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
     constexpr int V = 4;
     typedef StageAgg<G> St;
-    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
-    __shared__ int4 s_offs[St::IPB * St::STRIDE];
-    __shared__ float4 s_geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
-    __shared__ float4 s_go[St::IPB * G];           /* grad_output of the block's items */
-    __shared__ float s_coef[St::NS];               /* A * w_k, per slot */
-    __shared__ int2 s_item[St::IPB];               /* {row, head offset} per item */
-    __shared__ float2 s_soft[OPT ? St::IPB : 1];
-    __shared__ float s_smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
-    __shared__ float s_dot[St::NS];                /* g . corner row, per slot */
-    __shared__ int s_key[St::HS];
-    __shared__ int s_head[St::HS];
-    __shared__ short s_next[St::NS];
-    __shared__ short s_ent[St::NS];   /* hash positions in use, in order of filing */
-    __shared__ short s_order[St::NS]; /* the same, longest slot list first */
-    __shared__ int s_bucket[MSDA_AGG_BUCKETS];
-    __shared__ int s_nent;
+    /* One shared object, so every array is one base address plus a constant: with separate
+     * __shared__ arrays the compiler (48 registers) rebuilt each array's shared-window address
+     * (S2UR SR_CgaCtaId, ULEA) inside the walk loop, 13 of its 59 instructions a step. */
+    struct Shared {
+        int4 lvl[MSDA_FAST_MAX_LEVELS];
+        int4 offs[St::IPB * St::STRIDE];
+        float4 geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
+        float4 go[St::IPB * G];           /* grad_output of the block's items */
+        float coef[St::NS];               /* A * w_k, per slot */
+        float dot[St::NS];                /* g . corner row, per slot */
+        int2 item[St::IPB];               /* {row, head offset} per item */
+        float2 soft[OPT ? St::IPB : 1];
+        float smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
+        int key[St::HS];
+        int head[St::HS];
+        int bucket[MSDA_AGG_BUCKETS];
+        int nent;
+        short next[St::NS];
+        short ent[St::NS];   /* hash positions in use, in order of filing */
+        short order[St::NS]; /* the same, longest slot list first */
+    };
+    __shared__ Shared sm;
+    int4(&s_lvl)[MSDA_FAST_MAX_LEVELS] = sm.lvl;
+    int4(&s_offs)[St::IPB * St::STRIDE] = sm.offs;
+    float4(&s_geo)[St::IPB * St::STRIDE] = sm.geo;
+    float4(&s_go)[St::IPB * G] = sm.go;
+    float(&s_coef)[St::NS] = sm.coef;
+    float(&s_dot)[St::NS] = sm.dot;
+    int2(&s_item)[St::IPB] = sm.item;
+    float2(&s_soft)[OPT ? St::IPB : 1] = sm.soft;
+    float(&s_smdot)[OPT ? St::IPB : 1] = sm.smdot;
+    int(&s_key)[St::HS] = sm.key;
+    int(&s_head)[St::HS] = sm.head;
+    int(&s_bucket)[MSDA_AGG_BUCKETS] = sm.bucket;
+    int &s_nent = sm.nent;
+    short(&s_next)[St::NS] = sm.next;
+    short(&s_ent)[St::NS] = sm.ent;
+    short(&s_order)[St::NS] = sm.order;
     const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
     const T *gout = (const T *)pr.grad_output;
     T *grad_loc = (T *)pr.grad_sampling_locations;
@@ -506,8 +536,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
             /* file every inside corner under its row; new rows numbered warp by warp */
             for (int j = threadIdx.x; j < St::NS; j += 256) { /* same trip count in every lane */
                 const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
-                const int4 o4 = s_offs[il * St::STRIDE + k];
-                const int o = c == 0 ? o4.x : (c == 1 ? o4.y : (c == 2 ? o4.z : o4.w));
+                const int o = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
                 unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
                 bool fresh = false;
                 if (o >= 0) {
@@ -642,7 +671,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     float v[8], a0[4], a1[4];
                     if (point_grads && j >= 0) {
                         float u[8];
-                        load_vec8(vrow + key, u);
+                        load_vec8(vrow + (unsigned)key, u);
 #pragma unroll
                         for (int q = 0; q < 4; q++) {
                             v[q] = (walker & 1) ? u[q + 4] : u[q];
@@ -685,8 +714,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                         j = next;
                     }
                     if (want_gv && e < nent) {
-                        atomic_add_vec<4>(gv_row + key + h0, a0);
-                        atomic_add_vec<4>(gv_row + key + h1, a1);
+                        atomic_add_vec<4>(gv_row + (unsigned)key + h0, a0);
+                        atomic_add_vec<4>(gv_row + (unsigned)key + h1, a1);
                     }
                 }
             }

@@ -37,6 +37,13 @@
  *      ddetr_enc bf16 / f16 0.156 / 0.149 (v7 same run 0.158 / 0.145), m2f_enc 0.142 / 0.137
  *      (0.142 / 0.132), dino_dec900 0.031 / 0.031 (0.017 / 0.016): no gain where the half
  *      forward is issue-bound, and decoders lose half their threads.
+ *   v9 v7 with each corner's address one IMAD.WIDE.U32 (the lane's value pointer held opaque in
+ *      a register pair; before, the lane offset was folded into the index and every corner paid
+ *      a 64-bit add, a shift and the base reloaded from the constant bank: 5-6 instructions) and
+ *      bf16 widened by a shift or a mask (was a PRMT and a shift for the high half): per corner
+ *      17 -> 11 instructions in bf16, 11 -> 7 in f32. ddetr_enc f32 / bf16 / f16 0.188 / 0.158
+ *      / 0.144 -> 0.186 / 0.137 / 0.134 ms, m2f_enc 0.172 / 0.142 / 0.132 -> 0.170 / 0.124 /
+ *      0.123, dino_dec900 bf16 0.017 -> 0.015 (v7 alternated in the same session) <- shipped
  */
 #include "common.cuh"
 
@@ -94,6 +101,10 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
     __shared__ float2 s_soft[OPT ? St::IPB : 1]; /* softmax {max, 1 / sum} per item */
     __shared__ int2 s_item[St::IPB];             /* {row, head offset} per item */
     const T *value = (const T *)pr.value + threadIdx.x % G * V;
+    /* value held in a register pair, opaque to the compiler: a corner's address is then one
+     * IMAD.WIDE.U32 (value + o) instead of the lane offset folded into the index, a 64-bit
+     * add, a shift and the base reloaded from the constant bank (5-6 instructions a corner) */
+    asm("" : "+l"(value));
     T *out = (T *)pr.output;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const int local = threadIdx.x / G, g = threadIdx.x % G;
@@ -124,7 +135,7 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
                 for (int c = 0; c < 4; c++) {
                     if (o[c] < 0) continue;
                     float v[V];
-                    load_vec(value + o[c], v);
+                    load_vec(value + (unsigned)o[c], v); /* o >= 0: one IMAD.WIDE.U32 */
 #pragma unroll
                     for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
                 }
