@@ -309,6 +309,29 @@ __device__ __forceinline__ void load_vec(const __nv_bfloat16 *p, float (&v)[4]) 
     bf16x2_to_float(u.y, v[2], v[3]);
 }
 
+/* 8 consecutive channels as floats (16-byte aligned: 32 bytes in f32, 16 in f16/bf16). */
+__device__ __forceinline__ void load_vec8(const float *p, float (&v)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load_vec8(const __half *p, float (&v)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 f = __half22float2(h[q]);
+        v[2 * q] = f.x, v[2 * q + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load_vec8(const __nv_bfloat16 *p, float (&v)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    bf16x2_to_float(u.x, v[0], v[1]);
+    bf16x2_to_float(u.y, v[2], v[3]);
+    bf16x2_to_float(u.z, v[4], v[5]);
+    bf16x2_to_float(u.w, v[6], v[7]);
+}
+
 __device__ __forceinline__ void store_vec(float *p, const float (&v)[4]) {
     *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
@@ -323,6 +346,13 @@ __device__ __forceinline__ void store_vec(__nv_bfloat16 *p, const float (&v)[4])
     __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
     h[0] = __floats2bfloat162_rn(v[0], v[1]), h[1] = __floats2bfloat162_rn(v[2], v[3]);
     *reinterpret_cast<uint2 *>(p) = u;
+}
+
+/* 8 channels: two 4-channel stores */
+template <typename T> __device__ __forceinline__ void store_vec8(T *p, const float (&v)[8]) {
+    const float a[4] = {v[0], v[1], v[2], v[3]}, b[4] = {v[4], v[5], v[6], v[7]};
+    store_vec(p, a);
+    store_vec(p + 4, b);
 }
 
 /* Points per item staged at once: 16, fewer for small groups so shared memory stays small. */

@@ -403,29 +403,6 @@ template <int G> struct StageAgg {
     static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
 };
 
-/* 8 consecutive channels as floats (16-byte aligned: 32 bytes in f32, 16 in f16/bf16). */
-__device__ __forceinline__ void load_vec8(const float *p, float (&v)[8]) {
-    const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-__device__ __forceinline__ void load_vec8(const __half *p, float (&v)[8]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 f = __half22float2(h[q]);
-        v[2 * q] = f.x, v[2 * q + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load_vec8(const __nv_bfloat16 *p, float (&v)[8]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    bf16x2_to_float(u.x, v[0], v[1]);
-    bf16x2_to_float(u.y, v[2], v[3]);
-    bf16x2_to_float(u.z, v[4], v[5]);
-    bf16x2_to_float(u.w, v[6], v[7]);
-}
-
 /* Aggregated backward (not MSDA_DETERMINISTIC, G >= 4; chosen by aggregates()). A block holds
  * consecutive queries of one head (head-major items), whose points land on many of the same
  * pixels: on realistic ddetr_enc inputs the 32 x 16 x 4 corners of a block hit ~3.6x fewer

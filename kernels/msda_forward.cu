@@ -3,7 +3,8 @@
  * out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
  *                                                                  y = loc_y*H_l - 0.5)
  * Thread map (fast path, f32/f16/bf16 with C = 4*G, G a power of two <= 32): a group of G
- *   threads per (b, q, h), each owning 4 channels, one vector load per corner; 256 / G items
+ *   threads per (b, q, h), each owning 4 channels (8 for half types in problems of >= 65536
+ *   items, with G = C / 8), one vector load per corner; 256 / G items
  *   per block; the block first stages the sampling geometry of its items (K points each) in
  *   shared memory, one thread per point (level table, 32-bit index math, corner weights
  *   premultiplied by A), then every group gathers. Items are head-major: a block holds
@@ -43,8 +44,15 @@
  *      bf16 widened by a shift or a mask (was a PRMT and a shift for the high half): per corner
  *      17 -> 11 instructions in bf16, 11 -> 7 in f32. ddetr_enc f32 / bf16 / f16 0.188 / 0.158
  *      / 0.144 -> 0.186 / 0.137 / 0.134 ms, m2f_enc 0.172 / 0.142 / 0.132 -> 0.170 / 0.124 /
- *      0.123, dino_dec900 bf16 0.017 -> 0.015 (v7 alternated in the same session) <- shipped
+ *      0.123, dino_dec900 bf16 0.017 -> 0.015 (v7 alternated in the same session)
+ *   v10 v9 with 8 channels a thread (one 16-byte load a corner) for half types when the
+ *      problem has >= 65536 items (encoders; decoders keep 4, see v8): ddetr_enc bf16 / f16
+ *      0.137 / 0.134 -> 0.131 / 0.129 ms, m2f_enc 0.124 / 0.123 -> 0.120 / 0.118; decoders
+ *      unchanged (v9 alternated in the same session). With v9's cheaper corners the wider
+ *      load now pays (v8, tried on v7, did not). <- shipped
  */
+#include <type_traits>
+
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -91,9 +99,9 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     }
 }
 
-template <typename T, int G, bool OPT>
+template <typename T, int G, bool OPT, int V>
 __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
-    constexpr int V = 4;
+    static_assert(V == 4 || V == 8, "4 or 8 channels a thread");
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
@@ -135,25 +143,46 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
                 for (int c = 0; c < 4; c++) {
                     if (o[c] < 0) continue;
                     float v[V];
-                    load_vec(value + (unsigned)o[c], v); /* o >= 0: one IMAD.WIDE.U32 */
+                    if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
+                    else load_vec(value + (unsigned)o[c], v); /* o >= 0: one IMAD.WIDE.U32 */
 #pragma unroll
                     for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
                 }
             }
             __syncthreads();
         }
-        if (item < n_items) store_vec(out + (int64_t)row * C + g * V, acc);
+        if (item < n_items) {
+            if constexpr (V == 8) store_vec8(out + (int64_t)row * C + g * V, acc);
+            else store_vec(out + (int64_t)row * C + g * V, acc);
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // launcher
 
+/* Items from which half types take 8 channels a thread (one 16-byte load a corner, half the
+ * threads): encoders gain (v10), while a decoder's few thousand items would fill too few
+ * threads (v8: dino_dec900 twice as slow). */
+#define MSDA_FWD_WIDE_MIN_ITEMS 65536
+
+template <typename T, int G, int V>
+static void launch_fast_v(const msda_problem *pr, cudaStream_t stream) {
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
+    if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, 256, 0, stream>>>(*pr);
+    else msda_forward_fast<T, G, false, V><<<blocks, 256, 0, stream>>>(*pr);
+}
+
+/* G = C / 4 (fast_group) */
 template <typename T, int G>
 static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
-    if (msda_needs_general(pr)) msda_forward_fast<T, G, true><<<blocks, 256, 0, stream>>>(*pr);
-    else msda_forward_fast<T, G, false><<<blocks, 256, 0, stream>>>(*pr);
+    if constexpr (!std::is_same<T, float>::value && G >= 2) {
+        if (pr->B * pr->Q * pr->H >= MSDA_FWD_WIDE_MIN_ITEMS) {
+            launch_fast_v<T, G / 2, 8>(pr, stream);
+            return cudaSuccess;
+        }
+    }
+    launch_fast_v<T, G, 4>(pr, stream);
     return cudaSuccess;
 }
 

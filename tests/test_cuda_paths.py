@@ -241,3 +241,38 @@ def test_aggregated_backward_point_gradients_are_bitwise_repeatable(generator, c
         for name, a, b in zip(GRAD_NAMES, first, again):
             if name != "value":  # grad_value is summed with atomics
                 assert torch.equal(a, b), name
+
+
+# The half-precision forward of a problem of >= 65536 (b, q, h) items takes 8 channels a thread
+# (kernels/msda_forward.cu, MSDA_FWD_WIDE_MIN_ITEMS): group sizes C / 8 = 1, 4 and 16.
+WIDE = [(torch.bfloat16, 8), (torch.bfloat16, 32), (torch.float16, 32), (torch.float16, 128)]
+
+
+@pytest.mark.parametrize("dtype,channels", WIDE, ids=[f"{str(d)[6:]}-C{c}" for d, c in WIDE])
+@pytest.mark.parametrize("softmax", [False, True], ids=["plain", "softmax"])
+def test_wide_half_forward_of_large_problems_matches_f64_oracle(generator, dtype, channels,
+                                                                 softmax):
+    # 1 * 8203 * 8 = 65624 items: above the threshold, and not a whole number of blocks
+    inputs = make_inputs(generator, batch=1, queries=8203, heads=8, channels=channels,
+                         shapes=[(6, 5), (3, 4)], points=3, dtype=dtype, device="cuda",
+                         kink_free=True)
+    out = pymsda.ms_deform_attn(inputs["value"], inputs["spatial_shapes"],
+                                inputs["level_start_index"], inputs["sampling_locations"],
+                                inputs["attention_weights"], softmax=softmax)
+    expected = oracle_forward_general(inputs, softmax=softmax)
+    ref = ms_deform_attn_pytorch(inputs["value"], inputs["spatial_shapes"],
+                                 inputs["sampling_locations"], inputs["attention_weights"],
+                                 softmax=softmax)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_l2(out, expected) <= loose_bound(rel_l2(ref, expected))
+    # The f32 op on the same (rounded) inputs sums every channel in the same order, so only the
+    # output's rounding differs (with softmax, whose per-item sums are shuffled over groups of
+    # another size, the weights' last bits may too)
+    out32 = pymsda.ms_deform_attn(inputs["value"].float(), inputs["spatial_shapes"],
+                                  inputs["level_start_index"],
+                                  inputs["sampling_locations"].float(),
+                                  inputs["attention_weights"].float(), softmax=softmax)
+    if softmax:
+        assert rel_l2(out, out32) <= 1.5 * rel_l2(out32.to(dtype), out32)
+    else:
+        assert torch.equal(out, out32.to(dtype))
