@@ -463,7 +463,12 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     ctypes table of counts (None without num_points_list)."""
     per_level = num_points_list is None
     B, S, H, C, Q, P, L = _check_tensors(value, sampling_locations, attention_weights, per_level)
-    levels = _prepare_levels(spatial_shapes, level_start_index, S, value.device, validate)
+    if type(spatial_shapes) is list and level_start_index is None:  # the common list call
+        levels = _levels_from_list(spatial_shapes, value.device)
+        if levels.total != S:
+            _prepare_levels(spatial_shapes, None, S, value.device)  # raises, naming S
+    else:
+        levels = _prepare_levels(spatial_shapes, level_start_index, S, value.device, validate)
     L_tables = levels.L
     lp = None
     if not per_level:
