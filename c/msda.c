@@ -297,22 +297,21 @@ int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t
 /* The packed entry points (msda.h): unpack and call. */
 #define PACKED_PTR(a) ((void *)(intptr_t)(a))
 
-static int packed_ints_ok(const char *fn, const int64_t *args, const int *which, int n) {
-    for (int i = 0; i < n; i++)
-        if (args[which[i]] < INT_MIN || args[which[i]] > INT_MAX)
+/* NULL, or an int entry (dtype, index_dtype, device, num_threads, flags: entries 7, 8, 9, 10
+ * and 12 of both layouts) outside the range of int, is refused. */
+static int packed_check(const char *fn, const int64_t *args) {
+    static const int ints[] = {7, 8, 9, 10, 12};
+    if (!args) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
+    for (int i = 0; i < 5; i++)
+        if (args[ints[i]] < INT_MIN || args[ints[i]] > INT_MAX)
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
-                                  "%s: entry %d = %lld does not fit an int", fn, which[i],
-                                  (long long)args[which[i]]);
+                                  "%s: entry %d = %lld does not fit an int", fn, ints[i],
+                                  (long long)args[ints[i]]);
     return MSDA_OK;
 }
 
-/* dtype, index_dtype, device, num_threads and flags: the int parameters of both */
-static const int packed_int_entries[] = {7, 8, 9, 10, 12};
-
 int msda_forward_packed(const int64_t *a) {
-    static const char fn[] = "msda_forward_packed";
-    if (!a) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
-    const int st = packed_ints_ok(fn, a, packed_int_entries, 5);
+    const int st = packed_check("msda_forward_packed", a);
     if (st != MSDA_OK) return st;
     return msda_forward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], (int)a[7], (int)a[8],
                         (int)a[9], (int)a[10], (const int64_t *)PACKED_PTR(a[11]), (int)a[12],
@@ -322,9 +321,7 @@ int msda_forward_packed(const int64_t *a) {
 }
 
 int msda_backward_packed(const int64_t *a) {
-    static const char fn[] = "msda_backward_packed";
-    if (!a) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
-    const int st = packed_ints_ok(fn, a, packed_int_entries, 5);
+    const int st = packed_check("msda_backward_packed", a);
     if (st != MSDA_OK) return st;
     return msda_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], (int)a[7], (int)a[8],
                          (int)a[9], (int)a[10], (const int64_t *)PACKED_PTR(a[11]), (int)a[12],
