@@ -64,8 +64,10 @@
  *   all, which keeps a forked worker clear of the parent's pool (libgomp is not fork-safe, for
  *   torch's own ops either); inside an OpenMP parallel region the op runs on one thread.
  * Memory: per-thread scratch of a few C-element rows and one level table (at most 1.5 MB);
- *   outputs larger than 8 MB are madvise'd to transparent huge pages before their first write
- *   (fresh 40 MB grad_value: 11-21 ms of 4 KB page faults, ~3-4 ms with huge pages).
+ *   outputs of 32 MB or more, which glibc maps afresh on every call, are madvise'd to transparent
+ *   huge pages before their first write (fresh 40 MB grad_value: 11-21 ms of 4 KB page faults,
+ *   ~3-4 ms with huge pages). Smaller ones come from glibc's reused heap, where huge pages
+ *   made the occasional regrown heap cost more than it saved (v13).
  *
  * Tried (times: kernel only, 3 input sets in rotation, this 2-core AMD EPYC VM; ratios from
  * interleaved single-thread A/B runs, which the machine's noise (often +-25%) allows):
@@ -157,6 +159,34 @@
  *      fwd 1.208 / 1.330 -> 1.115 / 1.221 ms, bwd 2.720 / 2.863 -> 2.536 / 2.644; 2 threads
  *      (wall, 120 calls) fwd 0.639 / 0.699 -> 0.576 / 0.646, bwd 1.317 / 1.435 -> 1.193 / 1.316.
  *      <- shipped.
+ *   v13 (issue 7: a python fwd + autograd.grad call on dec300 f32 took page faults that direct C
+ *      calls did not). Cause, traced (strace of brk / madvise, a malloc log, malloc_info): glibc
+ *      serves an eager call's four buffers (the forward's 0.6 MB output, then grad_value 11 MB,
+ *      grad_loc 0.6 MB, grad_attn 0.3 MB, each posix_memalign'd by torch) from its main heap,
+ *      where the first call's freed 11 MB mapping set the mmap threshold to 11 MB and the trim
+ *      threshold to 22 MB. The holes they leave are split by the next call's smaller buffers and
+ *      by torch's small objects that outlive a call, so now and then no hole fits grad_value: the
+ *      heap grows by 10.6 MB, and a later free trims 22 MB off its top again. Each regrowth
+ *      faults grad_value in during the backward's zeroing (2720 faults of 4 KB, or 676 with the
+ *      huge-page advice), in 1-32 of 160 calls a process (the count varies from one process to
+ *      the next and has no trend). Measured per call (fwd + autograd.grad, 160 calls a process,
+ *      2 threads, 10 processes each, interleaved): the C backward 1.16-1.47 ms without a
+ *      regrowth; with one 6.5-11 ms when its 2 MB pages were advised (~1.5 ms a 2 MB page: this
+ *      VM's balloon reports free 2 MB blocks to the host, a likely cause) against 4.1-4.2 ms with
+ *      4 KB pages. Shipped: huge-page advice only from 32 MB (glibc's largest mmap threshold: only
+ *      buffers that large are mapped afresh every call): mean call 2.81 -> 2.28 ms (per process
+ *      1.94-3.97 -> 1.90-2.70), median 2.13 -> 2.10 (unchanged: regrowths are rarer than half
+ *      the calls); small_enc (1.4 MB) and ddetr_dec (40 MB) run the same code as before.
+ *      The rest of the gap (no faults at all, MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_
+ *      set: fb 1.79-2.07 ms, C calls alone 1.59-1.70) is Python and autograd, not memory.
+ *      Not shipped (regrowths per 160 calls, 4-5 processes each; v12 code 1-32): _backward
+ *      allocating grad_loc, grad_attn, grad_value (0-38), grad_attn, grad_loc, grad_value (7-11)
+ *      or grad_value, grad_attn, grad_loc (0-18); grad_value as the head of a buffer 16 KB,
+ *      1 MB or grad_loc + grad_attn larger (0-22); the level table, query order and scratch
+ *      taken from a per-thread buffer instead of malloc (2-27); the three gradients as views of
+ *      one buffer: 0 in 9 processes of 10 (1 in the tenth), but the outputs would then share
+ *      one storage (a grad_loc kept alive would keep grad_value's 11 MB, and torch's custom-op
+ *      check rejects outputs that alias each other).
  *   Not shipped (v12 round, 1 thread, dec300 f32 bwd): the grad_output row held in 4 vector
  *   registers across the group's points with a constant 4-vector channel loop for C = 4 VL
  *   (v3 +8%: GCC spilled them and the temporaries with 16 registers; v4 +1%); the constant
@@ -325,13 +355,17 @@ static inline int msda_num_threads(void) {
 
 /* Asks Linux to back a large output buffer, which the kernel is about to write in full, with
  * transparent huge pages. Python allocates outputs fresh on every call and glibc maps buffers
- * above 32 MB afresh each time, so their first touch is one page fault per 4 KB (ddetr_dec
- * grad_value, 40 MB: 11-21 ms of faults here, against ~3 ms with huge pages). Only whole 2 MB
- * pages inside the buffer are advised, so no other memory is affected; failure is harmless. */
+ * above 32 MB (its largest dynamic mmap threshold) afresh each time, so their first touch is one
+ * page fault per 4 KB (ddetr_dec grad_value, 40 MB: 11-21 ms of faults here, against ~3 ms with
+ * huge pages). A smaller buffer is mapped afresh only on the first call, then served from the
+ * heap, whose pages are mapped already unless glibc trimmed the heap and grows it again; on
+ * those regrowths (1-32 calls in 160, dec300's 11 MB) the huge pages cost 5-10 ms a call against
+ * ~3 ms of 4 KB faults on this VM (v13), so it is left alone. Only whole 2 MB pages
+ * inside the buffer are advised, so no other memory is affected; failure is harmless. */
 static void advise_huge_pages(void *ptr, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     const uintptr_t huge = (uintptr_t)2 << 20;
-    if (!ptr || bytes < ((int64_t)8 << 20)) return;
+    if (!ptr || bytes < ((int64_t)32 << 20)) return;
     uintptr_t begin = ((uintptr_t)ptr + huge - 1) & ~(huge - 1);
     uintptr_t end = ((uintptr_t)ptr + (uintptr_t)bytes) & ~(huge - 1);
     if (end > begin) (void)madvise((void *)begin, end - begin, MADV_HUGEPAGE);
