@@ -494,19 +494,25 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
     float fx, fy;
     if (!locate32(lx, ly, lvl, x0, y0, fx, fy)) return;
     const int head_off = it.y;
+    /* WEIGHTS (forward): slot k holds the corner whose pixel has parities (k & 1, k >> 1), so
+     * the groups of a warp, gathering slot k of neighbouring queries, all ask for the pixels
+     * they share in the same load (one line lookup for them): see msda_forward.cu v11. */
+    const int m = WEIGHTS ? ((x0 & 1) | (y0 & 1) << 1) : 0;
     int o[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        const int yy = y0 + (k >> 1), xx = x0 + (k & 1);
+        const int yy = y0 + ((k ^ m) >> 1), xx = x0 + ((k ^ m) & 1);
         const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
         const bool in = (unsigned)yy < (unsigned)lvl.x && (unsigned)xx < (unsigned)lvl.y &&
                         idx < (unsigned)S;
         o[k] = in ? head_off + (int)idx * HC : -1;
     }
     offs = make_int4(o[0], o[1], o[2], o[3]);
-    if (WEIGHTS)
-        geo = make_float4(a * (1.f - fx) * (1.f - fy), a * fx * (1.f - fy), a * (1.f - fx) * fy,
-                          a * fx * fy);
+    if (WEIGHTS) {
+        const float wx0 = m & 1 ? fx : 1.f - fx, wx1 = m & 1 ? 1.f - fx : fx;
+        const float wy0 = m & 2 ? fy : 1.f - fy, wy1 = m & 2 ? 1.f - fy : fy;
+        geo = make_float4(a * wx0 * wy0, a * wx1 * wy0, a * wx0 * wy1, a * wx1 * wy1);
+    }
     else
         geo = make_float4(a, fx, fy, 0.f);
 }

@@ -122,9 +122,26 @@
  *      f32 / bf16 0.532 / 0.547 -> 0.525 / 0.534 ms, m2f_enc 0.508 / 0.528 -> 0.499 / 0.515;
  *      decoders unchanged; deterministic 1.599 -> 1.610 (its instantiations now spill 8 bytes)
  *      (v17 alternated in the same session). The kernel is as much bound by L1 / shared-memory
- *      throughput (ncu: 81%) as by issue, so fewer instructions gained little. <- shipped
+ *      throughput (ncu: 81%) as by issue, so fewer instructions gained little.
  *      The forward's opaque register-pair pointer (msda_forward.cu v9) here: 8-32 bytes of
  *      spills in the per-point and aggregated kernels; not used.
+ *   v22 grad_value zeroed by a kernel of one block per multiprocessor that lets the backward
+ *      kernel start at once (programmatic dependent launch, griddepcontrol.wait before the first
+ *      atomic), and msda_backward_fast's point loop split in two (loads and point gradients,
+ *      then the atomics, so all of the first runs during the zeroing): dino_dec900 f32 0.083 ->
+ *      0.093 ms (the split alone 0.084), rtdetr_dec_b8 0.104 -> 0.102, ddetr_enc 0.525 ->
+ *      0.523, m2f_enc 0.504 -> 0.504. ncu of msda_backward_fast at dino_dec900 (63 us at 1.57
+ *      GHz): L2 at 70% of its throughput, L1 hits 15%, 0.6 eligible warps a scheduler, 0.68
+ *      waves of blocks; more slices of the points (point_slices) do not help there either.
+ *      Not shipped. The aggregated kernel on decoders, retried with v21: dino_dec900 0.097 vs
+ *      0.084, rtdetr_dec_b8 0.124 vs 0.103.
+ *   v23 v21 with the counting sort's bucket counts added once per bucket and warp
+ *      (__match_any_sync; lanes adding to one shared word are serialised, 1.2 M excess
+ *      wavefronts at ddetr_enc) and each point's four dots read as one float4 (four strided
+ *      4-byte reads took four wavefronts each): ddetr_enc f32 / bf16 0.525 / 0.534 -> 0.523 /
+ *      0.533 ms, m2f_enc 0.500 / 0.516 -> 0.498 / 0.515; deterministic (its instantiations
+ *      no longer spill) ddetr_enc 1.611 -> 1.557, m2f_enc 1.576 -> 1.512 (v21 alternated in the
+ *      same session). <- shipped
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -440,7 +457,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         float4 geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
         float4 go[St::IPB * G];           /* grad_output of the block's items */
         float coef[St::NS];               /* A * w_k, per slot */
-        float dot[St::NS];                /* g . corner row, per slot */
+        alignas(16) float dot[St::NS];     /* g . corner row, per slot (read as float4s) */
         int2 item[St::IPB];               /* {row, head offset} per item */
         float2 soft[OPT ? St::IPB : 1];
         float smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
@@ -547,13 +564,22 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
 #pragma unroll
             for (int r = 0; r < EPT; r++) {
                 const int e = threadIdx.x + r * 256;
+                int b = -1; /* -1: no row */
                 if (e < nent) {
                     int len = 0;
                     for (int j = s_head[s_ent[e]]; j >= 0 && len < MSDA_AGG_BUCKETS; j = s_next[j])
                         len++;
-                    bucket[r] = MSDA_AGG_BUCKETS - len;
-                    rank[r] = atomicAdd(&s_bucket[bucket[r]], 1);
+                    b = MSDA_AGG_BUCKETS - len;
                 }
+                /* one shared atomic per bucket and warp (v22): most rows fall into a few
+                 * buckets, and lanes adding to one shared word are serialised */
+                const unsigned peers = __match_any_sync(0xffffffffu, b);
+                const int leader = __ffs(peers) - 1;
+                int first = 0;
+                if (b >= 0 && lane == leader) first = atomicAdd(&s_bucket[b], __popc(peers));
+                first = __shfl_sync(0xffffffffu, first, leader);
+                bucket[r] = b;
+                rank[r] = first + __popc(peers & ((1u << lane) - 1u));
             }
             __syncthreads();
             if (threadIdx.x < 32) { /* exclusive prefix sum of the bucket sizes */
@@ -710,10 +736,14 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const int4 o4 = s_offs[il * St::STRIDE + k];
                     const float4 geo = s_geo[il * St::STRIDE + k];
                     const float a = geo.x, fx = geo.y, fy = geo.z;
-                    const float d0 = o4.x >= 0 ? s_dot[4 * j] : 0.f;
-                    const float d1 = o4.y >= 0 ? s_dot[4 * j + 1] : 0.f;
-                    const float d2 = o4.z >= 0 ? s_dot[4 * j + 2] : 0.f;
-                    const float d3 = o4.w >= 0 ? s_dot[4 * j + 3] : 0.f;
+                    /* one 16-byte read of the point's four dots (v22; four 4-byte reads at a
+                     * 16-byte stride took four wavefronts each); slots of corners outside hold
+                     * stale values, masked here */
+                    const float4 d4 = reinterpret_cast<const float4 *>(s_dot)[j];
+                    const float d0 = o4.x >= 0 ? d4.x : 0.f;
+                    const float d1 = o4.y >= 0 ? d4.y : 0.f;
+                    const float d2 = o4.z >= 0 ? d4.z : 0.f;
+                    const float d3 = o4.w >= 0 ? d4.w : 0.f;
                     const float s_a = (1.f - fx) * (1.f - fy) * d0 + fx * (1.f - fy) * d1 +
                                       (1.f - fx) * fy * d2 + fx * fy * d3;
                     const bool hit = o4.x >= 0 || o4.y >= 0 || o4.z >= 0 || o4.w >= 0;
