@@ -28,7 +28,8 @@ against the reference run in float64 on the same (rounded) inputs; the reference
 benchmarked dtype; and, for f32, the errors of the three gradients.
 
 --overhead adds the host cost of one eager call on a tiny shape (microseconds per call, plain and
-requires_grad inputs, no synchronisation inside the loop).
+requires_grad inputs, no synchronisation inside a loop, the garbage collector off as in timeit;
+the median of 5 loops).
 """
 import argparse
 import datetime
@@ -321,12 +322,16 @@ def _git_commit():
     return commit + ("-dirty" if dirty else "")
 
 
-def measure_overhead(device, reference=True, calls=2000, warmup=200):
+def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, collect=False):
     """Host microseconds per eager forward call on a tiny shape (B=Q=H=L=P=1, a 4x4 level, C=4),
-    with plain and with requires_grad inputs; on CUDA one synchronisation after the loop."""
+    with plain and with requires_grad inputs: the median over `rounds` loops of `calls` calls,
+    each loop timed to a synchronisation after its last call (on CUDA). As timeit does, the
+    garbage collector is off while a loop runs (collect=True leaves it on): a collection then
+    walks every object of the process, torch's included, and would bill its pause to whichever
+    call happens to trigger it."""
     spec = {"B": 1, "levels": [[4, 4]], "Q": 1, "H": 1, "C": 4, "P": 1}
     inputs = make_inputs(spec, torch.float32, device)
-    result = {"calls": calls}
+    result = {"calls": calls, "rounds": rounds}
     for impl in ("pymsda", "reference") if reference else ("pymsda",):
         op = IMPLEMENTATIONS[impl]
         for mode in ("plain", "requires_grad"):
@@ -334,14 +339,24 @@ def measure_overhead(device, reference=True, calls=2000, warmup=200):
                     for k in ("value", "sampling_locations", "attention_weights")]
             for _ in range(warmup):
                 op(args[0], inputs["spatial_shapes"], args[1], args[2])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            for _ in range(calls):
-                op(args[0], inputs["spatial_shapes"], args[1], args[2])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            result[f"{impl}_{mode}_us"] = (time.perf_counter() - start) / calls * 1e6
+            per_call = []
+            gc_was_on = gc.isenabled()
+            for _ in range(rounds):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if not collect:
+                    gc.disable()
+                try:
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        op(args[0], inputs["spatial_shapes"], args[1], args[2])
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    per_call.append((time.perf_counter() - start) / calls * 1e6)
+                finally:
+                    if gc_was_on:
+                        gc.enable()
+            result[f"{impl}_{mode}_us"] = statistics.median(per_call)
     return result
 
 
@@ -437,7 +452,8 @@ def format_table(result):
             for cells in [header] + lines]
     overhead = result.get("overhead")
     if overhead:
-        text.append(f"\nhost overhead per eager forward call (tiny shape, {overhead['calls']} calls):")
+        text.append(f"\nhost overhead per eager forward call (tiny shape, median of "
+                    f"{overhead.get('rounds', 1)} x {overhead['calls']} calls):")
         for key, us in overhead.items():
             if key.endswith("_us"):
                 text.append(f"  {key[:-3].replace('_', ' ', 1):26s} {us:8.1f} us")
@@ -475,7 +491,8 @@ def format_markdown(result):
         lines.append("| " + " | ".join(cells) + " |")
     overhead = result.get("overhead")
     if overhead:
-        lines += ["", f"Host time per eager forward call (tiny shape, {overhead['calls']} calls):", ""]
+        lines += ["", "Host time per eager forward call (tiny shape, median of "
+                  f"{overhead.get('rounds', 1)} x {overhead['calls']} calls):", ""]
         for key, us in overhead.items():
             if key.endswith("_us"):
                 lines.append(f"- {key[:-3].replace('_', ' ', 1)}: {us:.1f} us")
