@@ -141,7 +141,16 @@
  *      4-byte reads took four wavefronts each): ddetr_enc f32 / bf16 0.525 / 0.534 -> 0.523 /
  *      0.533 ms, m2f_enc 0.500 / 0.516 -> 0.498 / 0.515; deterministic (its instantiations
  *      no longer spill) ddetr_enc 1.611 -> 1.557, m2f_enc 1.576 -> 1.512 (v21 alternated in the
- *      same session). <- shipped
+ *      same session).
+ *   v24 v23 with the points of an item cut into chunks of equal size (12 points as 6 + 6
+ *      instead of 8 + 4): m2f_enc f32 / bf16 0.501 / 0.518 -> 0.539 / 0.553 ms (ddetr_enc, 16
+ *      points as 8 + 8 either way, unchanged). A chunk of one level aggregates better than two
+ *      chunks that mix levels. Not shipped.
+ *   v25 v23 with every other round of the walk handed to the walkers in reverse order (rows
+ *      are sorted longest first, so warp 0 had the longest lists of every round; ncu had 12% of
+ *      the warp samples waiting at the barrier after the walk): ddetr_enc f32 / bf16 0.522 /
+ *      0.534 -> 0.519 / 0.529 ms, m2f_enc 0.498 / 0.515 -> 0.495 / 0.511, deterministic and
+ *      uniform unchanged (v23 alternated in the same session). <- shipped
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -607,7 +616,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 const float *s_gof = reinterpret_cast<const float *>(s_go);
                 const T *value = (const T *)pr.value;
                 for (int e0 = 0; e0 < nent; e0 += WPB) {
-                    const int e = e0 + walker;
+                    /* every other round in reverse (v25): the rows are sorted longest first, so
+                     * warp 0 would otherwise get the longest lists of every round */
+                    const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
                     int key = 0, j = -1;
                     if (e < nent) {
                         const int hp = s_order[e];
@@ -665,7 +676,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                  * had the compiler recompute shared addresses in every step of the walk) */
                 const int q0 = h0 >> 2, q1 = h1 >> 2;
                 for (int e0 = 0; e0 < nent; e0 += WPB) {
-                    const int e = e0 + walker;
+                    /* every other round in reverse (v25): the rows are sorted longest first, so
+                     * warp 0 would otherwise get the longest lists of every round */
+                    const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
                     int key = 0, j = -1;
                     if (e < nent) {
                         const int hp = s_order[e];
