@@ -428,11 +428,26 @@ __device__ __forceinline__ int item_head_off(const msda_problem &pr, int item) {
 /* {row, head_off} of the block's items [base, base + ipb) into s_item, computed once per item
  * (the staging needs them for every point; integer divisions are not cheap). The caller
  * synchronises before reading them. */
+template <typename T = float, bool PREFETCH = false>
 __device__ __forceinline__ void fill_items(const msda_problem &pr, int base, int n_items, int ipb,
                                            int2 *s_item) {
     for (int il = threadIdx.x; il < ipb; il += blockDim.x) {
         const int item = base + il < n_items ? base + il : n_items - 1;
-        s_item[il] = make_int2(item_row(pr, item), item_head_off(pr, item));
+        const int row = item_row(pr, item);
+        s_item[il] = make_int2(row, item_head_off(pr, item));
+        if (PREFETCH) {
+            /* the sampling locations and weights of the item a wave of resident blocks (5 a
+             * multiprocessor) later, fetched into L2 for that block's staging: read once,
+             * they come from DRAM */
+            unsigned n_sm; /* volatile: read here, not held in a register across the loop */
+            asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
+            const int later = item + (int)n_sm * 5 * ipb;
+            if (later < n_items && later > item) {
+                const int64_t r = item_row(pr, later);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.sampling_locations + r * pr.NP * 2));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.attention_weights + r * pr.NP));
+            }
+        }
     }
 }
 
