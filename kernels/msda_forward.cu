@@ -66,7 +66,8 @@
  *      (v11 alternated in the same session). A first version computing the distance once per
  *      block held it in registers across the loop (46 -> 51 in the half kernels: 4 blocks a
  *      multiprocessor, bf16 0.129 -> 0.136; capped at 5 blocks it spilled). The same prefetch
- *      in the aggregated backward: no change (0.522 vs 0.521 ms). <- shipped
+ *      in the aggregated backward: no change (0.522 vs 0.521 ms); with grad_output's line
+ *      too, slower (0.520 -> 0.525). <- shipped
  */
 #include <type_traits>
 
