@@ -348,11 +348,26 @@ __device__ __forceinline__ void store_vec(__nv_bfloat16 *p, const float (&v)[4])
     *reinterpret_cast<uint2 *>(p) = u;
 }
 
-/* 8 channels: two 4-channel stores */
+/* 8 channels: two 4-channel stores in f32; one 16-byte store in half types (two 8-byte ones
+ * left each 32-byte sector of a warp's stores half-filled twice, msda_forward.cu v13) */
 template <typename T> __device__ __forceinline__ void store_vec8(T *p, const float (&v)[8]) {
     const float a[4] = {v[0], v[1], v[2], v[3]}, b[4] = {v[4], v[5], v[6], v[7]};
     store_vec(p, a);
     store_vec(p + 4, b);
+}
+__device__ __forceinline__ void store_vec8(__half *p, const float (&v)[8]) {
+    uint4 u;
+    __half2 *h = reinterpret_cast<__half2 *>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+__device__ __forceinline__ void store_vec8(__nv_bfloat16 *p, const float (&v)[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4 *>(p) = u;
 }
 
 /* Points per item staged at once: 16, fewer for small groups so shared memory stays small. */

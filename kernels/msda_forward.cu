@@ -67,7 +67,16 @@
  *      block held it in registers across the loop (46 -> 51 in the half kernels: 4 blocks a
  *      multiprocessor, bf16 0.129 -> 0.136; capped at 5 blocks it spilled). The same prefetch
  *      in the aggregated backward: no change (0.522 vs 0.521 ms); with grad_output's line
- *      too, slower (0.520 -> 0.525). <- shipped
+ *      too, slower (0.520 -> 0.525).
+ *   v13 v12 with the 8 half-precision channels of a thread stored as one 16-byte word (two
+ *      8-byte stores half-filled every 32-byte sector of a warp's store twice; ncu: 16 of 32
+ *      bytes a sector used): ddetr_enc bf16 / f16 0.128 / 0.127 -> 0.126-0.127 / 0.125-0.126
+ *      ms, m2f_enc 0.120 / 0.119 -> 0.119-0.120 / 0.118 (v12 alternated in the same session).
+ *      <- shipped
+ *   v14 v13 with 16 points staged per chunk for the 8-channel kernels (one chunk for 16
+ *      points; 36.6 instead of 18.4 KB of shared memory a block): ddetr_enc bf16 0.127 ->
+ *      0.128-0.129, f16 0.126 -> 0.125, m2f_enc 0.119 / 0.118 -> 0.118 / 0.116-0.117. Mixed;
+ *      not shipped.
  */
 #include <type_traits>
 
