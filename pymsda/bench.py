@@ -14,9 +14,7 @@ How: `--sets` input sets are drawn per shape and dtype (seeded, on the device; d
 f64 for f64, then cast) and calls rotate among them so that no set stays cached. After warm-up
 calls, every call is timed on its own: CUDA event pairs on the GPU, time.perf_counter on the CPU.
 On the GPU a sleep kernel holds the device while the host queues all timed calls, so the events
-measure the GPU's time per call rather than the host's launch overhead (--overhead measures that);
-if the GPU has started on the calls before the last one is queued (a slow host), they are timed
-again behind a longer sleep.
+measure the GPU's time per call rather than the host's launch overhead (--overhead measures that).
 A time is the median over reps * sets calls.
 
 Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
@@ -201,30 +199,20 @@ def _median_ms(calls, reps, device, warmup):
         calls[0]()
         host = time.perf_counter() - host
         torch.cuda.synchronize(device)
-        sleep = hasattr(torch.cuda, "_sleep")
-        queue_s = min(2.0, 2.0 * host * reps * len(calls) + 2e-3)
-        clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
-        clock_hz = 1e3 * clock_khz if clock_khz else 2e9
-        for _ in range(4):
-            if sleep:
-                torch.cuda._sleep(int(queue_s * clock_hz))
-            events = []
-            for _ in range(reps):
-                for call in calls:
-                    start, end = (torch.cuda.Event(enable_timing=True),
-                                  torch.cuda.Event(enable_timing=True))
-                    start.record()
-                    call()
-                    end.record()
-                    events.append((start, end))
-            # Still sleeping once every call is queued: the GPU never waited for the host, so
-            # no time includes launch overhead. Otherwise (the host slowed down, and the queue
-            # ran dry) measure again behind a longer sleep.
-            held = not events[0][0].query()
-            torch.cuda.synchronize(device)
-            if held or not sleep or queue_s >= 2.0:
-                break
-            queue_s = min(2.0, 4 * queue_s)
+        if hasattr(torch.cuda, "_sleep"):
+            queue_s = min(2.0, 1.5 * host * reps * len(calls) + 1e-3)
+            clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+            clock_hz = 1e3 * clock_khz if clock_khz else 2e9
+            torch.cuda._sleep(int(queue_s * clock_hz))
+        events = []
+        for _ in range(reps):
+            for call in calls:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                events.append((start, end))
+        torch.cuda.synchronize(device)
         return statistics.median(start.elapsed_time(end) for start, end in events)
     times = []
     for _ in range(reps):
