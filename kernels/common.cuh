@@ -456,9 +456,10 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, int base, int
              * they come from DRAM */
             unsigned n_sm; /* volatile: read here, not held in a register across the loop */
             asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
-            const int later = item + (int)n_sm * 5 * ipb;
-            if (later < n_items && later > item) {
-                const int64_t r = item_row(pr, later);
+            /* unsigned: item < 2^31 and the distance < 2^31, so the sum cannot wrap */
+            const unsigned later = (unsigned)item + n_sm * 5u * (unsigned)ipb;
+            if (later < (unsigned)n_items) {
+                const int64_t r = item_row(pr, (int)later);
                 asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.sampling_locations + r * pr.NP * 2));
                 asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.attention_weights + r * pr.NP));
             }
