@@ -424,14 +424,73 @@ template <bool OPT> __device__ __forceinline__ int level_of(const msda_problem &
     return l;
 }
 
-/* Item order of the fast kernels: head-major, item = (b*H + h)*Q + q, so a block's items are
- * consecutive queries of one head, which sample overlapping pixels of that head's value rows
- * (the aggregated backward depends on it; the forward gains L1 hits). item_row gives the item's
- * row (b*Q + q)*H + h in grad_output / sampling_locations / attention_weights / output,
- * item_head_off the element offset of (b, s = 0, h, c = 0) in value. */
-__device__ __forceinline__ int item_row(const msda_problem &pr, int item) {
+/* Item order of the fast kernels: head-major, item = (b*H + h)*Q + r, so a block's items are
+ * queries of one head that sample overlapping pixels of that head's value rows (the aggregated
+ * backward depends on it; the forward gains L1 hits). The query of rank r is r itself, or, in
+ * the backward of an encoder (encoder_tiles), the r-th pixel in tile order, so that a block of
+ * 32 items holds a 4 x 8 tile of pixels instead of 32 pixels of one row: on realistic ddetr_enc
+ * inputs its corners then fall on 0.18 distinct value rows per corner instead of 0.28, and the
+ * aggregated backward loads and updates that many fewer rows (msda_backward.cu v27; the forward
+ * lost with it, msda_forward.cu v15). item_row gives the item's row (b*Q + q)*H + h in
+ * grad_output / sampling_locations / attention_weights / output, item_head_off the element
+ * offset of (b, s = 0, h, c = 0) in value. */
+
+/* Whether the queries are the value's pixels level by level (Q == S and the levels, in order,
+ * cover [0, S) exactly, as in an encoder): then a block can take a tile of neighbouring pixels
+ * instead of a run of one pixel row. Every block computes the same answer from the same level
+ * table, so all agree on the order. */
+__device__ __forceinline__ bool encoder_tiles(const msda_problem &pr, const int4 *s_lvl) {
+    if (pr.Q != pr.S) return false;
+    int64_t next = 0;
+    for (int l = 0; l < (int)pr.L; l++) {
+        if (s_lvl[l].y <= 0 || s_lvl[l].z != next) return false;
+        next += (int64_t)s_lvl[l].x * s_lvl[l].y;
+    }
+    return next == pr.S;
+}
+
+/* The query of rank r in tile order (encoder_tiles true): within each level, tiles of TW x TH
+ * pixels (TW * TH = IPB, a block's items; TH = TW or 2 * TW: 4 wide and 8 tall for 32 items)
+ * row by row, each tile row-major; the pixels outside whole tiles (a right strip, then a bottom
+ * strip) follow row-major. A bijection of each level's ranks onto its pixels. */
+template <int IPB> struct Tile {
+    static constexpr int LOG = IPB >= 256 ? 8 : IPB >= 128 ? 7 : IPB >= 64 ? 6 : IPB >= 32 ? 5 :
+                               IPB >= 16 ? 4 : IPB >= 8 ? 3 : IPB >= 4 ? 2 : IPB >= 2 ? 1 : 0;
+    static constexpr int TH = 1 << ((LOG + 1) / 2), TW = IPB / TH;
+    static_assert((1 << LOG) == IPB, "IPB is a power of two");
+};
+template <int IPB> __device__ __forceinline__ int tiled_query(const int4 *s_lvl, int L, int r) {
+    constexpr int TW = Tile<IPB>::TW, TH = Tile<IPB>::TH;
+    int l = 0;
+    for (int j = 1; j < L; j++) l = s_lvl[j].z <= r ? j : l; /* starts increase */
+    const int4 lv = s_lvl[l];
+    const int W = lv.y, Hl = lv.x, k = r - lv.z;
+    const int Wm = W & ~(TW - 1), Hm = Hl & ~(TH - 1), n_tiled = Wm * Hm, strip = Hm * (W - Wm);
+    int x, y;
+    if (k < n_tiled) {
+        const int t = k / IPB, u = k % IPB, ntx = Wm / TW, ty = t / ntx;
+        y = ty * TH + u / TW;
+        x = (t - ty * ntx) * TW + u % TW;
+    } else if (k < n_tiled + strip) {
+        const int k2 = k - n_tiled, w = W - Wm, yy = k2 / w;
+        y = yy;
+        x = Wm + k2 - yy * w;
+    } else {
+        const int k3 = k - n_tiled - strip, yy = k3 / W;
+        y = Hm + yy;
+        x = k3 - yy * W;
+    }
+    return lv.z + y * W + x;
+}
+
+/* TILE: 0 for queries in rank order, else the block size of tiled_query. */
+template <int TILE>
+__device__ __forceinline__ int item_row(const msda_problem &pr, const int4 *s_lvl, int item,
+                                        bool tiled) {
     const int Q = (int)pr.Q, H = (int)pr.H, hq = H * Q;
-    const int b = item / hq, r = item - b * hq, h = r / Q, q = r - h * Q;
+    const int b = item / hq, r = item - b * hq, h = r / Q;
+    int q = r - h * Q;
+    if (TILE && tiled) q = tiled_query<TILE ? TILE : 1>(s_lvl, (int)pr.L, q);
     return (b * Q + q) * H + h;
 }
 __device__ __forceinline__ int item_head_off(const msda_problem &pr, int item) {
@@ -441,14 +500,17 @@ __device__ __forceinline__ int item_head_off(const msda_problem &pr, int item) {
 }
 
 /* {row, head_off} of the block's items [base, base + ipb) into s_item, computed once per item
- * (the staging needs them for every point; integer divisions are not cheap). The caller
- * synchronises before reading them. */
-template <typename T = float, bool PREFETCH = false>
-__device__ __forceinline__ void fill_items(const msda_problem &pr, int base, int n_items, int ipb,
-                                           int2 *s_item) {
+ * (the staging needs them for every point; integer divisions are not cheap). TILE: 0, or ipb to
+ * take an encoder's queries in tile order (encoder_tiles). s_lvl must be loaded and
+ * synchronised before; the caller synchronises before reading s_item. */
+template <typename T, bool PREFETCH, int TILE>
+__device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s_lvl, int base,
+                                           int n_items, int ipb, int2 *s_item) {
+    if (threadIdx.x >= ipb) return;
+    const bool tiled = TILE && encoder_tiles(pr, s_lvl);
     for (int il = threadIdx.x; il < ipb; il += blockDim.x) {
         const int item = base + il < n_items ? base + il : n_items - 1;
-        const int row = item_row(pr, item);
+        const int row = item_row<TILE>(pr, s_lvl, item, tiled);
         s_item[il] = make_int2(row, item_head_off(pr, item));
         if (PREFETCH) {
             /* the sampling locations and weights of the item a wave of resident blocks (5 a
@@ -459,7 +521,7 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, int base, int
             /* unsigned: item < 2^31 and the distance < 2^31, so the sum cannot wrap */
             const unsigned later = (unsigned)item + n_sm * 5u * (unsigned)ipb;
             if (later < (unsigned)n_items) {
-                const int64_t r = item_row(pr, (int)later);
+                const int64_t r = item_row<TILE>(pr, s_lvl, (int)later, tiled);
                 asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.sampling_locations + r * pr.NP * 2));
                 asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.attention_weights + r * pr.NP));
             }

@@ -9,7 +9,8 @@
  * Three kernels. Encoders (Q * NP >= 2 * S, C >= 16; not deterministic with softmax):
  *   msda_backward_agg, which first merges the corners of a block's points that fall on the
  *   same value row (see its comment), so each distinct row is loaded and atomically updated
- *   once per block.
+ *   once per block; where the queries are the value's pixels, a block takes a tile of them
+ *   (common.cuh, tiled_query; v27).
  * Thread map (fast path, as in msda_forward.cu; items head-major): a group of G = C / 4 threads
  *   per (b, q, h), 4 channels each; the block stages the geometry of K points per item in
  *   shared memory; each
@@ -150,7 +151,25 @@
  *      are sorted longest first, so warp 0 had the longest lists of every round; ncu had 12% of
  *      the warp samples waiting at the barrier after the walk): ddetr_enc f32 / bf16 0.522 /
  *      0.534 -> 0.519 / 0.529 ms, m2f_enc 0.498 / 0.515 -> 0.495 / 0.511, deterministic and
- *      uniform unchanged (v23 alternated in the same session). <- shipped
+ *      uniform unchanged (v23 alternated in the same session).
+ *   v26 decoders' queries sorted first by where they sample (a kernel of one block per batch:
+ *      counting sort by the cell of a 64 x 64 grid, Z-order, holding the first point of head 0;
+ *      the order in a workspace of 4 bytes a query), so a block's 32 items sample nearby pixels
+ *      (simulated: 0.35 distinct rows per corner in a block instead of 0.68 at dino_dec900).
+ *      Per-point kernel: dino_dec900 f32 0.083 -> 0.091 ms, rtdetr_dec_b8 0.104 -> 0.109,
+ *      ddetr_dec 0.043 -> 0.049; the aggregated kernel on the sorted queries 0.082 / 0.109 /
+ *      0.049 (HEAD alternated in the same session). Profiled: the sort kernel takes 4-7 us and
+ *      the per-point kernel none the faster (66.0 vs 66.2 us at dino_dec900; its L1 hits were
+ *      not what bounds it). Not shipped.
+ *   v27 v25 with an encoder's queries (Q == S, levels covering [0, S) in order) taken in tiles
+ *      of 4 x 8 pixels per block of 32 items instead of runs of 32 pixels of one row
+ *      (common.cuh, tiled_query; computed in fill_items, no memory). Simulated on realistic
+ *      inputs: distinct value rows per corner in a block 0.28 -> 0.18 (ddetr_enc), 0.31 ->
+ *      0.18 (m2f_enc); 8 x 4 tiles 0.19 / 0.18, 2 x 16 0.20 / 0.22. Measured (H100, alternated
+ *      twice with v25 in one session): ddetr_enc f32 / bf16 0.520 / 0.529 -> 0.454 / 0.468 ms,
+ *      m2f_enc 0.494 / 0.511 -> 0.440 / 0.457; 8 x 4 tiles: 0.460 / 0.474, 0.444 / 0.461;
+ *      uniform ddetr_enc unchanged (1.219 vs 1.219); deterministic ddetr_enc / m2f_enc f32
+ *      1.557 / 1.512 -> 1.471 / 1.446 (another run of the same session). <- shipped
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -308,7 +327,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     load_levels(pr, s_lvl);
     __syncthreads();
     for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
-        fill_items(pr, base, n_items, St::IPB, s_item);
+        fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
         const int item = base + local, row = s_item[local].x;
         float go[V], go_det[V]; /* go_det: channels g, g + G, ... (DET's coalesced atomics) */
@@ -517,7 +536,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     if (OPT && threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
     __syncthreads();
     for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
-        fill_items(pr, base, n_items, St::IPB, s_item);
+        fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
         const int item = base + local, row = s_item[local].x;
         float go[V];

@@ -77,6 +77,12 @@
  *      points; 36.6 instead of 18.4 KB of shared memory a block): ddetr_enc bf16 0.127 ->
  *      0.128-0.129, f16 0.126 -> 0.125, m2f_enc 0.119 / 0.118 -> 0.118 / 0.116-0.117. Mixed;
  *      not shipped.
+ *   v15 v13 with an encoder's queries taken in tiles of pixels per block (common.cuh,
+ *      tiled_query: 8 x 8 for the 64 items of a half-precision block, 8 wide x 4 tall for 32),
+ *      as the backward takes them (msda_backward.cu v27): ddetr_enc f32 / bf16 0.173 / 0.127 ->
+ *      0.189 / 0.140 ms, m2f_enc 0.154 / 0.119 -> 0.172 / 0.129 (alternated twice in one session; a
+ *      first version with slower index arithmetic: bf16 0.144). Not shipped: rows of 32 or 64
+ *      pixels gather faster here, though the tiles touch fewer distinct rows.
  */
 #include <type_traits>
 
@@ -150,7 +156,7 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
         float acc[V];
 #pragma unroll
         for (int j = 0; j < V; j++) acc[j] = 0.f;
-        fill_items<T, true>(pr, base, n_items, St::IPB, s_item);
+        fill_items<T, true, 0>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
         const int row = s_item[local].x;
         group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);

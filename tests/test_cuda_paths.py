@@ -130,9 +130,16 @@ def test_location_gradient_takes_the_cell_of_the_exact_coordinate(generator, cha
 # of a block's points that land on the same value row before touching memory; decoder-like ones
 # take the per-point kernel. "dense": a small map under many queries (long slot lists per row);
 # "spread": a larger map (many distinct rows per block, the hash table fuller); "decoder": few
-# queries. Every option combination goes through both kernels.
+# queries; "tiled": an encoder whose queries are the value's pixels (Q == S, the levels covering
+# [0, S) in order), whose backward gives each block a tile of neighbouring pixels instead of a run
+# of one pixel row (kernels/common.cuh, tiled_query): its levels have whole tiles, a right strip,
+# a bottom strip and sides smaller than a tile for every group size (tiles of 16 x 16 down to
+# 2 x 4 pixels); a query processed twice or never would leave the gradients wrong. Every option
+# combination goes through both kernels.
+TILED_SHAPES = [(18, 19), (4, 8), (3, 5)]
 AGG_CASES = {"dense": ([(4, 5), (3, 3), (2, 2)], 300), "spread": ([(16, 20), (8, 10), (3, 3)], 400),
-             "decoder": ([(4, 5), (3, 3), (2, 2)], 5)}
+             "decoder": ([(4, 5), (3, 3), (2, 2)], 5),
+             "tiled": (TILED_SHAPES, sum(h * w for h, w in TILED_SHAPES))}
 AGG_FEATURES = {"plain": (None, "bilinear", False), "counts": ([3, 0, 2], "bilinear", False),
                 "nearest": (None, "nearest", False), "softmax": (None, "bilinear", True),
                 "counts_nearest_softmax": ([1, 3, 2], "nearest", True)}
@@ -204,11 +211,12 @@ def test_aggregated_and_per_point_backward_match_f64_oracle(generator, dtype, ch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("channels", [16, 32, 128])
 @pytest.mark.parametrize("feature", list(AGG_FEATURES))
+@pytest.mark.parametrize("case", ["dense", "tiled"])
 def test_deterministic_aggregated_backward_repeats_bitwise_and_matches_oracle(
-        generator, dtype, channels, feature):
+        generator, dtype, channels, feature, case):
     # deterministic=True on an encoder-like problem: the aggregated kernel with fixed-point sums
     # (with softmax: the per-point kernel)
-    inputs, options, oracle_opts = agg_inputs(generator, "dense", feature, dtype, channels)
+    inputs, options, oracle_opts = agg_inputs(generator, case, feature, dtype, channels)
     mine = agg_op(inputs, deterministic=True, **options)
     grad_output = random_grad_output(generator, mine(inputs["value"], inputs["spatial_shapes"],
                                                      inputs["sampling_locations"],
