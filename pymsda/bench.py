@@ -188,6 +188,22 @@ def median_ms(calls, reps, device, warmup):
             gc.enable()
 
 
+# If the host falls behind the GPU while queuing the timed calls (the sleep kernel ended too
+# soon: a slow or busy host), the GPU idles between calls and, worse, inside a call whose kernels
+# are not yet queued, which inflates those calls' times. The idle time between one call's end
+# event and the next call's start event shows it; the calls are then timed again behind a sleep
+# four times as long.
+QUEUE_ATTEMPTS = 3
+QUEUE_GAP_MS = 0.05
+
+
+def queue_ran_dry(gaps_ms):
+    """Whether more than a tenth of the gaps between consecutive timed calls (GPU milliseconds
+    from one call's end event to the next call's start event) exceed QUEUE_GAP_MS: with the
+    calls queued ahead of the GPU they follow each other within a few microseconds."""
+    return sum(g > QUEUE_GAP_MS for g in gaps_ms) > len(gaps_ms) // 10
+
+
 def _median_ms(calls, reps, device, warmup):
     for i in range(warmup):
         calls[i % len(calls)]()
@@ -199,20 +215,24 @@ def _median_ms(calls, reps, device, warmup):
         calls[0]()
         host = time.perf_counter() - host
         torch.cuda.synchronize(device)
-        if hasattr(torch.cuda, "_sleep"):
-            queue_s = min(2.0, 1.5 * host * reps * len(calls) + 1e-3)
-            clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
-            clock_hz = 1e3 * clock_khz if clock_khz else 2e9
-            torch.cuda._sleep(int(queue_s * clock_hz))
-        events = []
-        for _ in range(reps):
-            for call in calls:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                call()
-                end.record()
-                events.append((start, end))
-        torch.cuda.synchronize(device)
+        for attempt in range(QUEUE_ATTEMPTS):
+            if hasattr(torch.cuda, "_sleep"):
+                queue_s = min(8.0, 4 ** attempt * min(2.0, 1.5 * host * reps * len(calls) + 1e-3))
+                clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
+                clock_hz = 1e3 * clock_khz if clock_khz else 2e9
+                torch.cuda._sleep(int(queue_s * clock_hz))
+            events = []
+            for _ in range(reps):
+                for call in calls:
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    call()
+                    end.record()
+                    events.append((start, end))
+            torch.cuda.synchronize(device)
+            if not queue_ran_dry([a[1].elapsed_time(b[0]) for a, b in zip(events, events[1:])]):
+                break
         return statistics.median(start.elapsed_time(end) for start, end in events)
     times = []
     for _ in range(reps):

@@ -207,3 +207,13 @@ def test_a_failing_reference_gives_na_with_the_reason_and_the_run_goes_on(monkey
         assert row["pymsda_ms"] > 0 and row["reference_ms"] is None and row["speedup"] is None
         assert row["reference_note"] == "out of memory" and row["errors"]["forward"] is None
     assert "n/a (out of memory)" in bench.format_table(result)
+
+
+def test_queue_ran_dry_flags_idle_gaps_between_timed_calls():
+    # GPU milliseconds between one call's end event and the next call's start event: a few
+    # microseconds while the host keeps ahead of the GPU, more where the queue ran dry.
+    assert not bench.queue_ran_dry([0.002] * 89)
+    assert not bench.queue_ran_dry([0.002] * 81 + [0.3] * 8)  # 8 of 89: under a tenth
+    assert bench.queue_ran_dry([0.002] * 79 + [0.3] * 10)
+    assert bench.queue_ran_dry([1.0] * 20)
+    assert not bench.queue_ran_dry([])
