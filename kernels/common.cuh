@@ -534,8 +534,9 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
  * items past the end get {0, 1}. The caller synchronises. */
 template <typename T, int G, bool OPT>
 __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int row,
-                                                    int n_items, float2 *s_soft) {
-    const int g = threadIdx.x % G, local = threadIdx.x / G;
+                                                    int n_items, float2 *s_soft,
+                                                    int local = threadIdx.x / G) {
+    const int g = threadIdx.x % G;
     if (!OPT) return; /* s_soft is not read (nor sized for the items) */
     if (!(pr.flags & MSDA_SOFTMAX)) { /* uniform over the grid: no shuffle is skipped */
         if (g == 0) s_soft[local] = make_float2(0.f, 1.f);

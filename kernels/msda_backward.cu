@@ -169,7 +169,26 @@
  *      twice with v25 in one session): ddetr_enc f32 / bf16 0.520 / 0.529 -> 0.454 / 0.468 ms,
  *      m2f_enc 0.494 / 0.511 -> 0.440 / 0.457; 8 x 4 tiles: 0.460 / 0.474, 0.444 / 0.461;
  *      uniform ddetr_enc unchanged (1.219 vs 1.219); deterministic ddetr_enc / m2f_enc f32
- *      1.557 / 1.512 -> 1.471 / 1.446 (another run of the same session). <- shipped
+ *      1.557 / 1.512 -> 1.471 / 1.446 (another run of the same session).
+ *   v28 v27 with 64 items a block (two per group; 8 x 8 pixel tiles) and 4 points a chunk
+ *      (one level of 4 points: the same 1024 slots), a hash table of NS positions (shared
+ *      memory 42.8 KB, 5 blocks a multiprocessor), a count per row, and lists longer than 16
+ *      slots walked in segments by several walkers (a simulation of realistic inputs had the
+ *      longest list of each warp's walkers bound the walk: ddetr_enc's coarse levels put a
+ *      64-query tile's 1024 slots on a few dozen rows). Alternated twice per library in one
+ *      session, f32 / bf16 ms:
+ *                                           ddetr_enc        m2f_enc
+ *        v27                               0.455 / 0.471   0.443 / 0.460
+ *        64 items, no segments             0.487 / 0.500   0.417 / 0.429
+ *        64 items, segments of 16 <-       0.462 / 0.476   0.390 / 0.406
+ *        64 items, segments of 8           0.484 / 0.501   0.413 / 0.431
+ *        64 items, segments of 32          0.515 / 0.530   0.437 / 0.454  (with the next line)
+ *        64 items, 16, peers of a warp filed with one set of atomics (__match_any_sync, the
+ *          lowest lane probes, counts and links them all): 0.489 / 0.504   0.416 / 0.433
+ *        32 items, segments of 16          0.461 / 0.477   0.449 / 0.468
+ *      uniform ddetr_enc / m2f_enc 1.219 / 1.116 -> 1.121 / 1.075, deterministic 1.470 /
+ *      1.444 -> 1.500 / 1.405. m2f_enc's 12 points also fill 3 chunks of 4 where they took
+ *      chunks of 8 + 4. <- shipped
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -435,30 +454,74 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     }
 }
 
-/* Staging of the aggregated backward: IPB items x K points per chunk, NS corner slots, a hash
- * table of HS positions (never more than half full: at most NS distinct rows). */
+/* Slot lists longer than MSDA_AGG_CAP are walked in segments by several walkers: the filer of a
+ * row's n-th slot (n = MSDA_AGG_CAP, 2 * MSDA_AGG_CAP, ...) marks it, and a segment runs from
+ * the list's head, or from a marked slot, to the next marked slot. */
+#define MSDA_AGG_CAP 16 /* v28: 8 measured slower (more walkers and atomics) */
+#define MSDA_AGG_MARK 0x4000
+#define MSDA_AGG_LINK 0x3fff
+
+/* The first slot of walk entry v (< 0: none) and the key of its row; raw is that slot's
+ * s_next word. A row entry (v < HS, its hash position) starts at the list's head unless that
+ * slot is marked (its own entry walks it); a marked entry (HS + slot) at its slot. */
+template <typename St>
+__device__ __forceinline__ void walk_entry(int v, const int *s_key, const int *s_head,
+                                           const short *s_next, const int4 *s_offs, int &key,
+                                           int &j, int &raw) {
+    key = 0, j = -1, raw = 0;
+    if (v < 0) return;
+    if (v < St::HS) {
+        key = s_key[v], j = s_head[v];
+        raw = s_next[j];
+        if (raw & MSDA_AGG_MARK) j = -1;
+    } else {
+        j = v - St::HS;
+        const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
+        key = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
+        raw = s_next[j];
+    }
+}
+
+/* The slot after the current one (whose s_next word is raw) in its segment, or -1; raw becomes
+ * that slot's word. */
+__device__ __forceinline__ int next_slot_of(const short *s_next, int &raw) {
+    const int nx = (raw & MSDA_AGG_LINK) - 1;
+    if (nx < 0) return -1;
+    raw = s_next[nx];
+    return raw & MSDA_AGG_MARK ? -1 : nx;
+}
+
+/* Staging of the aggregated backward: IPB items (two per group of G threads) x K points per
+ * chunk (4 for C = 32, one level of Deformable DETR's points), NS corner slots, a hash table of
+ * HS = NS positions (at most NS distinct rows). */
 template <int G> struct StageAgg {
-    static constexpr int IPB = 256 / G;
-    static constexpr int K = G < 2 ? 2 : (G > 16 ? 16 : G); /* points per item per chunk */
+    static constexpr int GPB = 256 / G; /* groups per block */
+    static constexpr int K0 = G < 2 ? 2 : (G > 16 ? 16 : G);
+    static constexpr int MUL = K0 >= 2 ? 2 : 1; /* items per group */
+    static constexpr int IPB = GPB * MUL;       /* items per block */
+    static constexpr int K = K0 / MUL;          /* points per item per chunk */
     static constexpr int STRIDE = K + 1;
     static constexpr int NS = IPB * K * 4; /* corner slots per chunk (<= 1024 for G >= 2) */
-    static constexpr int HS = 2 * NS;      /* hash positions */
+    static constexpr int HS = NS;          /* hash positions */
     static constexpr int HBITS = HS >= 2048 ? 11 : (HS >= 1024 ? 10 : 9);
     static_assert((1 << HBITS) == HS, "HS is a power of two");
     static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
 };
 
 /* Aggregated backward (not MSDA_DETERMINISTIC, G >= 4; chosen by aggregates()). A block holds
- * consecutive queries of one head (head-major items), whose points land on many of the same
- * pixels: on realistic ddetr_enc inputs the 32 x 16 x 4 corners of a block hit ~3.6x fewer
- * distinct value rows. Per staged chunk:
+ * 2 * 256 / G neighbouring queries of one head (head-major items; an encoder's in a tile of
+ * pixels, fill_items), whose points land on many of the same pixels: on realistic ddetr_enc
+ * inputs the 64 x 4 x 4 corners of a chunk hit ~7x fewer distinct value rows. Per staged chunk:
  *   1. file: one thread per corner ("slot") files it under its row (value / grad_value offset)
- *      in a shared-memory hash table (open addressing; a linked list of slots per row; new rows
- *      numbered warp by warp), with its coefficient A * w_k;
- *   2. sort the rows by the length of their slot lists (counting sort, longest first), so the
- *      walkers of a warp, which step together, have about the same number of slots;
- *   3. walk: one walker of G/2 lanes (8 channels a lane) per distinct row loads the value row
- *      once and, over the row's slots, sums coefficient * grad_output (then one 16-byte atomic
+ *      in a shared-memory hash table (open addressing; a linked list of slots per row and a
+ *      count; new rows numbered warp by warp), with its coefficient A * w_k. The row's
+ *      MSDA_AGG_CAP-th, 2 * MSDA_AGG_CAP-th, ... slot is marked: it starts a segment of the
+ *      list. Walk entries: one per row (its list's head segment), one per marked slot;
+ *   2. sort the entries by their segments' estimated lengths (from the counts; counting sort,
+ *      longest first), so the walkers of a warp, which step together, have about the same
+ *      number of slots;
+ *   3. walk: one walker of G/2 lanes (8 channels a lane) per entry loads the value row once
+ *      and, over the segment's slots, sums coefficient * grad_output (then one 16-byte atomic
  *      per 4 channels: global atomics drop by the duplication factor) and parks each slot's
  *      grad_output . row in s_dot;
  *   4. point gradients from the four dots of each point: with d_k = g . v_k,
@@ -471,7 +534,7 @@ template <int G> struct StageAgg {
  * and adds each row's sums with one integer atomic per channel; lanes own channels
  * part + (G/2) * q there, so a walker's atomics cover whole sectors. The point gradients come
  * from dots summed in a fixed order either way. */
-#define MSDA_AGG_BUCKETS 16 /* slot-list lengths 1 .. 15 and 16 or more */
+#define MSDA_AGG_BUCKETS 16 /* segment lengths 1 .. 15 and 16 or more */
 template <typename T, int G, bool OPT, bool DET, bool FULL>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
     constexpr int V = 4;
@@ -491,11 +554,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         float smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
         int key[St::HS];
         int head[St::HS];
+        int cnt2[St::HS / 2]; /* slots filed per row, two 16-bit counts a word */
         int bucket[MSDA_AGG_BUCKETS];
         int nent;
-        short next[St::NS];
-        short ent[St::NS];   /* hash positions in use, in order of filing */
-        short order[St::NS]; /* the same, longest slot list first */
+        short next[St::NS]; /* (next slot of the row + 1) | MSDA_AGG_MARK */
+        short ent[St::NS];  /* walk entries (see above), filed, then longest first */
     };
     __shared__ Shared sm;
     int4(&s_lvl)[MSDA_FAST_MAX_LEVELS] = sm.lvl;
@@ -509,11 +572,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     float(&s_smdot)[OPT ? St::IPB : 1] = sm.smdot;
     int(&s_key)[St::HS] = sm.key;
     int(&s_head)[St::HS] = sm.head;
+    int(&s_cnt2)[St::HS / 2] = sm.cnt2;
     int(&s_bucket)[MSDA_AGG_BUCKETS] = sm.bucket;
     int &s_nent = sm.nent;
     short(&s_next)[St::NS] = sm.next;
     short(&s_ent)[St::NS] = sm.ent;
-    short(&s_order)[St::NS] = sm.order;
     const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
     const T *gout = (const T *)pr.grad_output;
     T *grad_loc = (T *)pr.grad_sampling_locations;
@@ -531,6 +594,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     }
     load_levels(pr, s_lvl);
     for (int j = threadIdx.x; j < St::HS; j += 256) s_key[j] = -1, s_head[j] = -1;
+    for (int j = threadIdx.x; j < St::HS / 2; j += 256) s_cnt2[j] = 0;
     if (threadIdx.x == 0) s_nent = 0;
     if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
     if (OPT && threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
@@ -538,16 +602,19 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
         fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
-        const int item = base + local, row = s_item[local].x;
-        float go[V];
-        if (item < n_items) {
-            load_vec(gout + (int64_t)row * C + g * V, go);
-        } else {
 #pragma unroll
-            for (int j = 0; j < V; j++) go[j] = 0.f;
+        for (int m = 0; m < St::MUL; m++) { /* each group loads St::MUL items */
+            const int il = local + m * St::GPB, item = base + il, row = s_item[il].x;
+            float go[V];
+            if (item < n_items) {
+                load_vec(gout + (int64_t)row * C + g * V, go);
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; j++) go[j] = 0.f;
+            }
+            s_go[il * G + g] = make_float4(go[0], go[1], go[2], go[3]);
+            group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft, il);
         }
-        s_go[local * G + g] = make_float4(go[0], go[1], go[2], go[3]);
-        group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
         if (softmax) __syncthreads();
         const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
         for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
@@ -560,7 +627,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
                 const int o = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
                 unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
-                bool fresh = false;
+                bool fresh = false, marked = false;
                 if (o >= 0) {
                     const float4 geo = s_geo[il * St::STRIDE + k];
                     const float wx = (c & 1) ? geo.y : 1.f - geo.y;
@@ -574,29 +641,45 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                         }
                         hp = (hp + 1) & (St::HS - 1);
                     }
-                    s_next[j] = (short)atomicExch(&s_head[hp], j);
+                    const int sh = 16 * (hp & 1);
+                    const int n = (atomicAdd(&s_cnt2[hp >> 1], 1 << sh) >> sh) & 0xffff;
+                    marked = n >= MSDA_AGG_CAP && n % MSDA_AGG_CAP == 0;
+                    const int prev = atomicExch(&s_head[hp], j);
+                    s_next[j] = (short)((prev + 1) | (marked ? MSDA_AGG_MARK : 0));
                 }
-                const unsigned m = __ballot_sync(0xffffffffu, fresh);
+                /* a walk entry for every new row (its hash position) and every marked slot
+                 * (HS + the slot) */
+                const unsigned m = __ballot_sync(0xffffffffu, fresh || marked);
                 int first = 0;
                 if (lane == 0 && m) first = atomicAdd(&s_nent, __popc(m));
                 first = __shfl_sync(0xffffffffu, first, 0);
-                if (fresh) s_ent[first + __popc(m & ((1u << lane) - 1u))] = (short)hp;
+                if (fresh || marked)
+                    s_ent[first + __popc(m & ((1u << lane) - 1u))] =
+                        (short)(fresh ? (int)hp : St::HS + j);
+                if (fresh && marked) { /* the row's first filer came late: both entries */
+                    const int e2 = atomicAdd(&s_nent, 1);
+                    s_ent[e2] = (short)(St::HS + j);
+                }
             }
             __syncthreads();
             const int nent = s_nent;
             /* order the rows by the length of their slot lists, longest first (a counting sort
              * into MSDA_AGG_BUCKETS buckets), so the walkers of a warp, which step together,
              * get lists of about the same length */
-            constexpr int EPT = St::NS / 256; /* rows per thread at most */
-            int bucket[EPT], rank[EPT];
+            constexpr int EPT = St::NS / 256; /* entries per thread at most */
+            int bucket[EPT], rank[EPT], entry[EPT];
 #pragma unroll
             for (int r = 0; r < EPT; r++) {
                 const int e = threadIdx.x + r * 256;
-                int b = -1; /* -1: no row */
-                if (e < nent) {
-                    int len = 0;
-                    for (int j = s_head[s_ent[e]]; j >= 0 && len < MSDA_AGG_BUCKETS; j = s_next[j])
-                        len++;
+                int b = -1; /* -1: no entry */
+                entry[r] = e < nent ? s_ent[e] : 0;
+                if (e < nent) { /* segment length, estimated from the row's count */
+                    int len = MSDA_AGG_CAP;
+                    if (entry[r] < St::HS) {
+                        const int hp = entry[r], c = (s_cnt2[hp >> 1] >> (16 * (hp & 1))) & 0xffff;
+                        len = c <= MSDA_AGG_CAP ? c : (c - 1) % MSDA_AGG_CAP;
+                    }
+                    len = len < 1 ? 1 : (len > MSDA_AGG_BUCKETS ? MSDA_AGG_BUCKETS : len);
                     b = MSDA_AGG_BUCKETS - len;
                 }
                 /* one shared atomic per bucket and warp (v22): most rows fall into a few
@@ -624,7 +707,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
 #pragma unroll
             for (int r = 0; r < EPT; r++) {
                 const int e = threadIdx.x + r * 256;
-                if (e < nent) s_order[s_bucket[bucket[r]] + rank[r]] = s_ent[e];
+                if (e < nent) s_ent[s_bucket[bucket[r]] + rank[r]] = (short)entry[r];
             }
             __syncthreads();
             if constexpr (DET) { /* as below, with fixed-point sums */
@@ -638,11 +721,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     /* every other round in reverse (v25): the rows are sorted longest first, so
                      * warp 0 would otherwise get the longest lists of every round */
                     const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
-                    int key = 0, j = -1;
-                    if (e < nent) {
-                        const int hp = s_order[e];
-                        key = s_key[hp], j = s_head[hp];
-                    }
+                    int key, j, raw;
+                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_next, s_offs, key, j, raw);
+                    const bool active = j >= 0;
                     float v[8];
                     long long acc[8];
 #pragma unroll
@@ -664,7 +745,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                                 if (det_acc) acc[q] += llrintf(cf * gq * scale);
                                 d += gq * v[q];
                             }
-                            next = s_next[j];
+                            next = next_slot_of(s_next, raw);
                         }
                         if (point_grads) {
                             d = group_sum<WG>(d);
@@ -672,7 +753,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                         }
                         j = next;
                     }
-                    if (det_acc && e < nent) {
+                    if (det_acc && active) {
 #pragma unroll
                         for (int q = 0; q < 8; q++)
                             if (acc[q] != 0)
@@ -698,11 +779,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     /* every other round in reverse (v25): the rows are sorted longest first, so
                      * warp 0 would otherwise get the longest lists of every round */
                     const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
-                    int key = 0, j = -1;
-                    if (e < nent) {
-                        const int hp = s_order[e];
-                        key = s_key[hp], j = s_head[hp];
-                    }
+                    int key, j, raw;
+                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_next, s_offs, key, j, raw);
+                    const bool active = j >= 0;
                     float v[8], a0[4], a1[4];
                     if (point_grads && j >= 0) {
                         float u[8];
@@ -740,7 +819,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                                                  g1.w * v[7];
                                 d = d0 + d1;
                             }
-                            next = s_next[j];
+                            next = next_slot_of(s_next, raw);
                         }
                         if (point_grads) {
                             d = group_sum<WG>(d);
@@ -748,7 +827,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                         }
                         j = next;
                     }
-                    if (want_gv && e < nent) {
+                    if (want_gv && active) {
                         atomic_add_vec<4>(gv_row + (unsigned)key + h0, a0);
                         atomic_add_vec<4>(gv_row + (unsigned)key + h1, a1);
                     }
@@ -758,7 +837,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
             /* empty the table (the next chunk's barrier orders this before its filing) */
             for (int e = threadIdx.x; e < nent; e += 256) {
                 const int hp = s_ent[e];
-                s_key[hp] = -1, s_head[hp] = -1;
+                if (hp < St::HS) s_key[hp] = -1, s_head[hp] = -1, s_cnt2[hp >> 1] = 0;
             }
             if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
             if (point_grads) {
@@ -799,12 +878,15 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
             __syncthreads();
         }
         if (softmax && grad_attn) { /* dL/dz = A * (dL/dA - dot), see msda_backward_fast */
-            if (item < n_items) {
-                const float2 soft = s_soft[local];
-                const float dot = s_smdot[local];
+            for (int m = 0; m < St::MUL; m++) {
+                const int il = local + m * St::GPB;
+                if (base + il >= n_items) continue;
+                const float2 soft = s_soft[il];
+                const float dot = s_smdot[il];
+                const int64_t row = s_item[il].x;
                 const T *z = (const T *)pr.attention_weights;
                 for (int pidx = g; pidx < LP; pidx += G) {
-                    const int64_t i = (int64_t)row * LP + pidx;
+                    const int64_t i = row * LP + pidx;
                     const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
                     grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
                 }
@@ -911,6 +993,8 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
         if (aggregates(pr) && !(DET && (pr->flags & MSDA_SOFTMAX))) {
             const bool full = pr->grad_value && pr->grad_sampling_locations &&
                               pr->grad_attention_weights;
+            const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / StageAgg<G>::IPB);
+            const dim3 grid(agg_blocks, point_slices(pr, agg_blocks));
             if (opt) {
                 msda_backward_agg<T, G, true, DET, false><<<grid, 256, 0, stream>>>(*pr);
                 return cudaSuccess;
