@@ -427,11 +427,12 @@ template <bool OPT> __device__ __forceinline__ int level_of(const msda_problem &
 /* Item order of the fast kernels: head-major, item = (b*H + h)*Q + r, so a block's items are
  * queries of one head that sample overlapping pixels of that head's value rows (the aggregated
  * backward depends on it; the forward gains L1 hits). The query of rank r is r itself, or, in
- * the backward of an encoder (encoder_tiles), the r-th pixel in tile order, so that a block of
- * 32 items holds a 4 x 8 tile of pixels instead of 32 pixels of one row: on realistic ddetr_enc
- * inputs its corners then fall on 0.18 distinct value rows per corner instead of 0.28, and the
- * aggregated backward loads and updates that many fewer rows (msda_backward.cu v27; the forward
- * lost with it, msda_forward.cu v15). item_row gives the item's row (b*Q + q)*H + h in
+ * the backward of an encoder (encoder_tiles), the r-th pixel in tile order, so that a block's
+ * items are a tile of pixels (8 x 8 for the aggregated backward's 64) instead of a run of one
+ * pixel row: on realistic ddetr_enc inputs 32 items' corners then fall on 0.18 distinct value
+ * rows per corner instead of 0.28 (64 items: 0.14), and the aggregated backward loads and
+ * updates that many fewer rows (msda_backward.cu v27, v28; the forward lost with it,
+ * msda_forward.cu v15). item_row gives the item's row (b*Q + q)*H + h in
  * grad_output / sampling_locations / attention_weights / output, item_head_off the element
  * offset of (b, s = 0, h, c = 0) in value. */
 
