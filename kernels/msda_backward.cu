@@ -188,7 +188,16 @@
  *        32 items, segments of 16          0.461 / 0.477   0.449 / 0.468
  *      uniform ddetr_enc / m2f_enc 1.219 / 1.116 -> 1.121 / 1.075, deterministic 1.470 /
  *      1.444 -> 1.500 / 1.405. m2f_enc's 12 points also fill 3 chunks of 4 where they took
- *      chunks of 8 + 4. <- shipped
+ *      chunks of 8 + 4.
+ *   v29 v28 with each slot's coefficient and link in one 8-byte word (ncu of v28, ddetr_enc
+ *      f32: L1 / shared memory at 85% of its throughput, 28% of the shared wavefronts excess
+ *      (bank conflicts), the walk 44% of the warp samples and filing 17%; the walk read the
+ *      coefficient and the link of every slot with two scattered loads): ddetr_enc f32 / bf16
+ *      0.462 / 0.477 -> 0.450 / 0.470 ms, m2f_enc 0.390 / 0.406 -> 0.379 / 0.399, uniform
+ *      ddetr_enc 1.121 -> 1.119, deterministic 1.508 / 1.412 -> 1.493 / 1.399 (alternated
+ *      twice in one session). With it, reading each hash position before the CAS (most rows
+ *      are already filed): 0.454 / 0.473, 0.382 / 0.403; that read alone on v28: 0.466 / 0.479.
+ *      <- shipped
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -461,34 +470,37 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
 #define MSDA_AGG_MARK 0x4000
 #define MSDA_AGG_LINK 0x3fff
 
-/* The first slot of walk entry v (< 0: none) and the key of its row; raw is that slot's
- * s_next word. A row entry (v < HS, its hash position) starts at the list's head unless that
- * slot is marked (its own entry walks it); a marked entry (HS + slot) at its slot. */
+/* Per slot, one 8-byte word: {coefficient A * w_k as bits, (next slot of the row + 1) |
+ * MSDA_AGG_MARK}, so a step of the walk reads both at once. */
+
+/* The first slot of walk entry v (< 0: none), the key of its row and that slot's word m. A row
+ * entry (v < HS, its hash position) starts at the list's head unless that slot is marked (its
+ * own entry walks it); a marked entry (HS + slot) at its slot. */
 template <typename St>
 __device__ __forceinline__ void walk_entry(int v, const int *s_key, const int *s_head,
-                                           const short *s_next, const int4 *s_offs, int &key,
-                                           int &j, int &raw) {
-    key = 0, j = -1, raw = 0;
+                                           const int2 *s_meta, const int4 *s_offs, int &key,
+                                           int &j, int2 &m) {
+    key = 0, j = -1, m = make_int2(0, 0);
     if (v < 0) return;
     if (v < St::HS) {
         key = s_key[v], j = s_head[v];
-        raw = s_next[j];
-        if (raw & MSDA_AGG_MARK) j = -1;
+        m = s_meta[j];
+        if (m.y & MSDA_AGG_MARK) j = -1;
     } else {
         j = v - St::HS;
         const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
         key = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
-        raw = s_next[j];
+        m = s_meta[j];
     }
 }
 
-/* The slot after the current one (whose s_next word is raw) in its segment, or -1; raw becomes
- * that slot's word. */
-__device__ __forceinline__ int next_slot_of(const short *s_next, int &raw) {
-    const int nx = (raw & MSDA_AGG_LINK) - 1;
+/* The slot after the current one (whose word is m) in its segment, or -1; m becomes that
+ * slot's word. */
+__device__ __forceinline__ int next_slot_of(const int2 *s_meta, int2 &m) {
+    const int nx = (m.y & MSDA_AGG_LINK) - 1;
     if (nx < 0) return -1;
-    raw = s_next[nx];
-    return raw & MSDA_AGG_MARK ? -1 : nx;
+    m = s_meta[nx];
+    return m.y & MSDA_AGG_MARK ? -1 : nx;
 }
 
 /* Staging of the aggregated backward: IPB items (two per group of G threads) x K points per
@@ -547,7 +559,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         int4 offs[St::IPB * St::STRIDE];
         float4 geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
         float4 go[St::IPB * G];           /* grad_output of the block's items */
-        float coef[St::NS];               /* A * w_k, per slot */
+        int2 meta[St::NS];                /* {A * w_k, link}, per slot (walk_entry) */
         alignas(16) float dot[St::NS];     /* g . corner row, per slot (read as float4s) */
         int2 item[St::IPB];               /* {row, head offset} per item */
         float2 soft[OPT ? St::IPB : 1];
@@ -557,7 +569,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         int cnt2[St::HS / 2]; /* slots filed per row, two 16-bit counts a word */
         int bucket[MSDA_AGG_BUCKETS];
         int nent;
-        short next[St::NS]; /* (next slot of the row + 1) | MSDA_AGG_MARK */
         short ent[St::NS];  /* walk entries (see above), filed, then longest first */
     };
     __shared__ Shared sm;
@@ -565,7 +576,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     int4(&s_offs)[St::IPB * St::STRIDE] = sm.offs;
     float4(&s_geo)[St::IPB * St::STRIDE] = sm.geo;
     float4(&s_go)[St::IPB * G] = sm.go;
-    float(&s_coef)[St::NS] = sm.coef;
+    int2(&s_meta)[St::NS] = sm.meta;
     float(&s_dot)[St::NS] = sm.dot;
     int2(&s_item)[St::IPB] = sm.item;
     float2(&s_soft)[OPT ? St::IPB : 1] = sm.soft;
@@ -575,7 +586,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     int(&s_cnt2)[St::HS / 2] = sm.cnt2;
     int(&s_bucket)[MSDA_AGG_BUCKETS] = sm.bucket;
     int &s_nent = sm.nent;
-    short(&s_next)[St::NS] = sm.next;
     short(&s_ent)[St::NS] = sm.ent;
     const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
     const T *gout = (const T *)pr.grad_output;
@@ -632,7 +642,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const float4 geo = s_geo[il * St::STRIDE + k];
                     const float wx = (c & 1) ? geo.y : 1.f - geo.y;
                     const float wy = (c & 2) ? geo.z : 1.f - geo.z;
-                    s_coef[j] = geo.x * (wx * wy);
+                    const float cf = geo.x * (wx * wy);
                     for (;;) {
                         const int prev = atomicCAS(&s_key[hp], -1, o);
                         if (prev == -1 || prev == o) {
@@ -645,7 +655,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const int n = (atomicAdd(&s_cnt2[hp >> 1], 1 << sh) >> sh) & 0xffff;
                     marked = n >= MSDA_AGG_CAP && n % MSDA_AGG_CAP == 0;
                     const int prev = atomicExch(&s_head[hp], j);
-                    s_next[j] = (short)((prev + 1) | (marked ? MSDA_AGG_MARK : 0));
+                    s_meta[j] = make_int2(__float_as_int(cf), (prev + 1) | (marked ? MSDA_AGG_MARK : 0));
                 }
                 /* a walk entry for every new row (its hash position) and every marked slot
                  * (HS + the slot) */
@@ -721,8 +731,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     /* every other round in reverse (v25): the rows are sorted longest first, so
                      * warp 0 would otherwise get the longest lists of every round */
                     const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
-                    int key, j, raw;
-                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_next, s_offs, key, j, raw);
+                    int key, j;
+                    int2 m;
+                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key, j, m);
                     const bool active = j >= 0;
                     float v[8];
                     long long acc[8];
@@ -736,7 +747,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                         int next = -1;
                         if (j >= 0) {
                             const float *gi = s_gof + (j / (St::K * 4)) * C + part;
-                            const float cf = s_coef[j];
+                            const float cf = __int_as_float(m.x);
 #pragma unroll
                             for (int q = 0; q < 8; q++) {
                                 const float gq = gi[WG * q];
@@ -745,7 +756,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                                 if (det_acc) acc[q] += llrintf(cf * gq * scale);
                                 d += gq * v[q];
                             }
-                            next = next_slot_of(s_next, raw);
+                            next = next_slot_of(s_meta, m);
                         }
                         if (point_grads) {
                             d = group_sum<WG>(d);
@@ -779,8 +790,9 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     /* every other round in reverse (v25): the rows are sorted longest first, so
                      * warp 0 would otherwise get the longest lists of every round */
                     const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
-                    int key, j, raw;
-                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_next, s_offs, key, j, raw);
+                    int key, j;
+                    int2 m;
+                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key, j, m);
                     const bool active = j >= 0;
                     float v[8], a0[4], a1[4];
                     if (point_grads && j >= 0) {
@@ -802,7 +814,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                             const float4 g0 = s_go[il * G + q0];
                             const float4 g1 = s_go[il * G + q1];
                             if (want_gv) {
-                                const float cf = s_coef[j];
+                                const float cf = __int_as_float(m.x);
                                 a0[0] += cf * g0.x, a0[1] += cf * g0.y;
                                 a0[2] += cf * g0.z, a0[3] += cf * g0.w;
                                 a1[0] += cf * g1.x, a1[1] += cf * g1.y;
@@ -819,7 +831,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                                                  g1.w * v[7];
                                 d = d0 + d1;
                             }
-                            next = next_slot_of(s_next, raw);
+                            next = next_slot_of(s_meta, m);
                         }
                         if (point_grads) {
                             d = group_sum<WG>(d);
