@@ -651,13 +651,13 @@ static inline int fast_group(const msda_problem *pr, const void *const *ptrs, in
     return (int)G;
 }
 
-/* Blocks for a fast kernel of G threads per item: one block per 256 / G consecutive items, so
- * the blocks resident at any moment cover a compact window of neighbouring queries (good L2
- * reuse); grid-stride beyond 2^31 - 1 blocks. A persistent grid whose blocks each walk a
- * contiguous run of items was slower (ddetr_enc f32 forward 0.41 vs 0.30 ms on an H100): its
- * resident blocks spread over the whole value tensor at once. */
-static inline unsigned int item_blocks(int64_t items, int G) {
-    const int64_t ipb = 256 / G;
+/* Blocks for a fast kernel of ipb items a block (256 / G with G threads per item; twice that in
+ * the aggregated backward): one block per ipb consecutive items, so the blocks resident at any
+ * moment cover a compact window of neighbouring queries (good L2 reuse); grid-stride beyond
+ * 2^31 - 1 blocks. A persistent grid whose blocks each walk a contiguous run of items was
+ * slower (ddetr_enc f32 forward 0.41 vs 0.30 ms on an H100): its resident blocks spread over
+ * the whole value tensor at once. */
+static inline unsigned int item_blocks(int64_t items, int64_t ipb) {
     int64_t blocks = (items + ipb - 1) / ipb;
     if (blocks > 0x7fffffff) blocks = 0x7fffffff;
     return (unsigned int)(blocks < 1 ? 1 : blocks);

@@ -655,7 +655,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const int n = (atomicAdd(&s_cnt2[hp >> 1], 1 << sh) >> sh) & 0xffff;
                     marked = n >= MSDA_AGG_CAP && n % MSDA_AGG_CAP == 0;
                     const int prev = atomicExch(&s_head[hp], j);
-                    s_meta[j] = make_int2(__float_as_int(cf), (prev + 1) | (marked ? MSDA_AGG_MARK : 0));
+                    s_meta[j] = make_int2(__float_as_int(cf),
+                                          (prev + 1) | (marked ? MSDA_AGG_MARK : 0));
                 }
                 /* a walk entry for every new row (its hash position) and every marked slot
                  * (HS + the slot) */
@@ -733,7 +734,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
                     int key, j;
                     int2 m;
-                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key, j, m);
+                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key,
+                                   j, m);
                     const bool active = j >= 0;
                     float v[8];
                     long long acc[8];
@@ -792,7 +794,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
                     int key, j;
                     int2 m;
-                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key, j, m);
+                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key,
+                                   j, m);
                     const bool active = j >= 0;
                     float v[8], a0[4], a1[4];
                     if (point_grads && j >= 0) {
@@ -997,7 +1000,7 @@ static inline bool aggregates(const msda_problem *pr) { return pr->Q * pr->NP >=
 
 template <typename T, int G, bool DET>
 static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
     const dim3 grid(blocks, point_slices(pr, blocks));
     const bool opt = msda_needs_general(pr);
     if constexpr (G >= 4) {
@@ -1005,7 +1008,7 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
         if (aggregates(pr) && !(DET && (pr->flags & MSDA_SOFTMAX))) {
             const bool full = pr->grad_value && pr->grad_sampling_locations &&
                               pr->grad_attention_weights;
-            const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / StageAgg<G>::IPB);
+            const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, StageAgg<G>::IPB);
             const dim3 grid(agg_blocks, point_slices(pr, agg_blocks));
             if (opt) {
                 msda_backward_agg<T, G, true, DET, false><<<grid, 256, 0, stream>>>(*pr);

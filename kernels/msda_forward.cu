@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
 
 template <typename T, int G, int V>
 static void launch_fast_v(const msda_problem *pr, cudaStream_t stream) {
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, G);
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
     if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, 256, 0, stream>>>(*pr);
     else msda_forward_fast<T, G, false, V><<<blocks, 256, 0, stream>>>(*pr);
 }
