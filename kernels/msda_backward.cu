@@ -494,6 +494,18 @@ __device__ __forceinline__ void walk_entry(int v, const int *s_key, const int *s
     }
 }
 
+/* walk_entry for walker `walker` of WPB in the round of entries [e0, e0 + WPB). Every other
+ * round is handed out in reverse (v25): the entries are sorted longest first, so warp 0 would
+ * otherwise get the longest segments of every round. */
+template <typename St, int WPB>
+__device__ __forceinline__ void round_entry(int e0, int walker, int nent, const short *s_ent,
+                                            const int *s_key, const int *s_head,
+                                            const int2 *s_meta, const int4 *s_offs, int &key,
+                                            int &j, int2 &m) {
+    const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
+    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key, j, m);
+}
+
 /* The slot after the current one (whose word is m) in its segment, or -1; m becomes that
  * slot's word. */
 __device__ __forceinline__ int next_slot_of(const int2 *s_meta, int2 &m) {
@@ -729,13 +741,10 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 const float *s_gof = reinterpret_cast<const float *>(s_go);
                 const T *value = (const T *)pr.value;
                 for (int e0 = 0; e0 < nent; e0 += WPB) {
-                    /* every other round in reverse (v25): the rows are sorted longest first, so
-                     * warp 0 would otherwise get the longest lists of every round */
-                    const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
                     int key, j;
                     int2 m;
-                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key,
-                                   j, m);
+                    round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
+                                         key, j, m);
                     const bool active = j >= 0;
                     float v[8];
                     long long acc[8];
@@ -789,13 +798,10 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                  * had the compiler recompute shared addresses in every step of the walk) */
                 const int q0 = h0 >> 2, q1 = h1 >> 2;
                 for (int e0 = 0; e0 < nent; e0 += WPB) {
-                    /* every other round in reverse (v25): the rows are sorted longest first, so
-                     * warp 0 would otherwise get the longest lists of every round */
-                    const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
                     int key, j;
                     int2 m;
-                    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key,
-                                   j, m);
+                    round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
+                                         key, j, m);
                     const bool active = j >= 0;
                     float v[8], a0[4], a1[4];
                     if (point_grads && j >= 0) {
