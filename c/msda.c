@@ -177,7 +177,8 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
 static int check_alignment(const char *fn, const msda_problem *pr) {
     const int64_t elem = msda_dtype_size(pr->dtype);
     const int64_t index = pr->index_dtype == MSDA_I64 ? 8 : 4;
-    const int64_t acc = pr->dtype == MSDA_F64 ? 8 : 4; /* grad_value: f32 for half types */
+    /* grad_value: f32 for half types on the CPU, the element type on CUDA */
+    const int64_t acc = pr->device >= 0 ? elem : pr->dtype == MSDA_F64 ? 8 : 4;
     const struct { const char *name; const void *p; int64_t align; } ptrs[] = {
         {"value", pr->value, elem},
         {"spatial_shapes", pr->spatial_shapes, index},
@@ -244,7 +245,7 @@ int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C,
     msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
                        .flags = flags, .dtype = dtype, .device = device};
     if (check_problem(fn, &pr, NULL) != MSDA_OK) return -1;
-    if (device < 0 || !(flags & MSDA_DETERMINISTIC)) return 0;
+    if (device < 0) return 0;
     return msda_cuda_workspace_size(&pr);
 }
 
@@ -281,13 +282,16 @@ int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t
         REQUIRE_POINTER(fn, attention_weights);
         if (S > 0) REQUIRE_POINTER(fn, value);
     }
-    if (device >= 0 && (flags & MSDA_DETERMINISTIC) && grad_value) {
+    if (device >= 0 && grad_value) {
         const int64_t need = msda_cuda_workspace_size(&pr);
         if (need > 0 && (workspace == NULL || workspace_bytes < need))
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
-                                  "%s: a deterministic CUDA backward needs a workspace of %lld "
-                                  "bytes, got %s of %lld bytes",
-                                  fn, (long long)need, workspace ? "one" : "NULL",
+                                  "%s: this CUDA backward (%s) needs a workspace of %lld bytes "
+                                  "(msda_backward_workspace_size), got %s of %lld bytes",
+                                  fn, flags & MSDA_DETERMINISTIC
+                                          ? "deterministic"
+                                          : "f32 accumulation of a half-precision grad_value",
+                                  (long long)need, workspace ? "one" : "NULL",
                                   (long long)workspace_bytes);
     }
     if (device >= 0) return msda_cuda_backward(&pr);

@@ -14,8 +14,8 @@
  *   attention_weights    (B, Q, H, L, P)
  *   output               (B, Q, H, C)   (the caller views it as (B, Q, H*C))
  *   grad_output          (B, Q, H, C)
- *   grad_value           (B, S, H, C)   float32 for MSDA_F16 / MSDA_BF16 (the f32 accumulation
- *                                       buffer; the caller casts), `dtype` otherwise
+ *   grad_value           (B, S, H, C)   `dtype`; on the CPU float32 for MSDA_F16 / MSDA_BF16 (the
+ *                                       f32 accumulation buffer; the caller casts)
  *   grad_sampling_locations (B, Q, H, L, P, 2), grad_attention_weights (B, Q, H, L, P)
  *
  * Per-level point counts (RT-DETRv2's num_points_list): `level_points` NULL means every level has
@@ -55,10 +55,16 @@
  * Backward writes every gradient it is given in full (grad_value is zeroed first, on the stream);
  * any gradient pointer may be NULL when it is not needed. `workspace` is scratch device memory
  * the caller allocates (NULL with workspace_bytes 0 when msda_backward_workspace_size() says 0).
+ * Half-precision grad_value on CUDA: where the kernels are built for the device's architecture
+ * and it is sm_90 or newer, the kernels add f32 partial sums into grad_value itself with
+ * half-precision vector atomics (each sum rounded once as it is added: in the encoders' kernel
+ * the sum of all of a block's corners on one value row, elsewhere one corner's); otherwise they
+ * accumulate in an f32 buffer in `workspace` that is then converted (B*S*H*C*4 bytes, which
+ * msda_backward_workspace_size() reports).
  * Refused with MSDA_ERR_INVALID_ARGUMENT: a size below its minimum (B, S, Q >= 0; H, C, L, P >= 1),
  * byte counts past INT64_MAX, a pointer not aligned to its element type, num_threads > 1024 on
  * the CPU, an unknown flag, a level_points table that is negative or does not sum to P, a
- * deterministic CUDA backward whose workspace is NULL or smaller than it needs, and on the CPU a
+ * CUDA backward whose workspace is NULL or smaller than it needs, and on the CPU a
  * value tensor of 2^50 elements or more.
  */
 #ifndef MSDA_H
@@ -77,7 +83,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 3
+#define MSDA_ABI_VERSION 4
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -155,7 +161,8 @@ MSDA_API int msda_forward_packed(const int64_t *args);
 MSDA_API int msda_backward_packed(const int64_t *args);
 
 /* Bytes of device workspace msda_backward needs for these sizes, dtype, device and flags (0 when
- * it needs none: on the CPU, or without MSDA_DETERMINISTIC); -1 (with msda_last_error set) for
+ * it needs none: on the CPU, and on CUDA without MSDA_DETERMINISTIC unless a half-precision
+ * grad_value is accumulated in f32 there, see above); -1 (with msda_last_error set) for
  * sizes msda_backward would refuse. */
 MSDA_API int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C,
                                               int64_t L, int64_t Q, int64_t P, int dtype,

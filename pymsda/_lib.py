@@ -7,7 +7,7 @@ raises ImportError that names every path tried and why it was refused.
 import ctypes
 import os
 
-ABI_VERSION = 3  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 4  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)

@@ -24,8 +24,8 @@ plus N(0, 1) noise; weights a softmax over L*P of N(0, 1). uniform: locations un
 [-0.05, 1.05], weights uniform then normalised.
 
 Precision, beside the times: relative L2 error ||out - ref64|| / ||ref64|| of pymsda's forward
-against the reference run in float64 on the same (rounded) inputs; the reference's own error in the
-benchmarked dtype; and, for f32, the errors of the three gradients.
+against the reference run in float64 on the same (rounded) inputs, the same for its three
+gradients, and the reference's own errors (forward and gradients) in the benchmarked dtype.
 
 --overhead adds the host cost of one eager call on a tiny shape (microseconds per call, plain and
 requires_grad inputs, no synchronisation inside a loop, the garbage collector off as in timeit;
@@ -55,7 +55,9 @@ from .reference import ms_deform_attn_pytorch
 PASSES = ("fwd", "bwd", "fwdbwd")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
 DISTRIBUTIONS = ("realistic", "uniform")
-ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn")
+ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
+              "reference_grad_value", "reference_grad_loc", "reference_grad_attn")
+GRAD_KEYS = ERROR_KEYS[2:5]
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_shapes.json")
 
 
@@ -263,28 +265,33 @@ def rel_l2(actual, expected):
 
 
 def precision(inputs):
-    """The errors of ERROR_KEYS for one input set against the float64 reference (None where not
-    measured: gradients are compared for f32 only, the reference's own error for non-f64 only)."""
+    """The errors of ERROR_KEYS for one input set against the float64 reference: pymsda's
+    forward and its three gradients (for grad_output of the set), and, in a dtype other than
+    f64, the reference's own forward and gradients in that dtype (None where not measured; a
+    dtype grid_sample lacks leaves the reference's None with a note)."""
     dtype, shapes, grad_output = inputs["value"].dtype, inputs["spatial_shapes"], inputs["grad_output"]
     keys = ("value", "sampling_locations", "attention_weights")
-    with_grads = dtype == torch.float32
     errors = dict.fromkeys(ERROR_KEYS)
-    leaves64 = [inputs[k].detach().double().requires_grad_(with_grads) for k in keys]
+    leaves64 = [inputs[k].detach().double().requires_grad_() for k in keys]
     ref64 = ms_deform_attn_pytorch(leaves64[0], shapes, leaves64[1], leaves64[2])
-    if with_grads:
-        leaves = [inputs[k].detach().requires_grad_() for k in keys]
-        out = _pymsda(leaves[0], shapes, leaves[1], leaves[2])
-        grads = torch.autograd.grad(out, leaves, grad_output)
-        ref_grads = torch.autograd.grad(ref64, leaves64, grad_output.double())
-        for key, grad, ref_grad in zip(ERROR_KEYS[2:], grads, ref_grads):
-            errors[key] = rel_l2(grad, ref_grad)
-    else:
-        out = _forward_no_grad(_pymsda, inputs)
-    errors["forward"] = rel_l2(out.detach(), ref64.detach())
+    ref_grads = torch.autograd.grad(ref64, leaves64, grad_output.double())
+    ref64 = ref64.detach()
+    del leaves64
+    impls = [("", _pymsda)]
     if dtype != torch.float64:
+        impls.append(("reference_", ms_deform_attn_pytorch))
+    for prefix, op in impls:
         try:
-            errors["reference_forward"] = rel_l2(_forward_no_grad(ms_deform_attn_pytorch, inputs), ref64.detach())
-        except Exception as error:  # a dtype grid_sample lacks here: the column says n/a
+            leaves = [inputs[k].detach().requires_grad_() for k in keys]
+            out = op(leaves[0], shapes, leaves[1], leaves[2])
+            errors[prefix + "forward"] = rel_l2(out.detach(), ref64)
+            grads = torch.autograd.grad(out, leaves, grad_output)
+            del out, leaves
+            for key, grad, ref_grad in zip(GRAD_KEYS, grads, ref_grads):
+                errors[prefix + key] = rel_l2(grad, ref_grad)
+        except Exception as error:  # the reference in a dtype grid_sample lacks here: n/a
+            if not prefix:
+                raise
             errors["reference_error_note"] = _failure(error)
     return errors
 
@@ -454,7 +461,8 @@ def _number(x, fmt=".1e"):
 
 def format_table(result):
     header = ["shape", "dtype", "pass", "pymsda ms", "reference ms", "speed-up", "error",
-              "ref error", "grad_value", "grad_loc", "grad_attn"]
+              "ref error", "grad_value", "grad_loc", "grad_attn", "ref grad_value",
+              "ref grad_loc", "ref grad_attn"]
     lines, previous = [], None
     for row in result["rows"]:
         errors = row["errors"]
@@ -482,7 +490,7 @@ def format_table(result):
 
 def format_markdown(result):
     """The result as BENCHMARKS.md takes it: the run's metadata, then one row per shape and
-    dtype with the three passes side by side and the forward errors."""
+    dtype with the three passes side by side and the errors."""
     meta = result["metadata"]
     lines = [f"- {key}: {meta[key]}" for key in ("date", "device", "driver", "torch", "cuda",
                                                   "commit", "command") if key in meta]
@@ -494,7 +502,8 @@ def format_markdown(result):
     head = ["shape", "dtype"]
     for p in passes:
         head += [f"{titles[p]} ms", "reference ms", "speed-up"]
-    head += ["fwd error", "reference error (same dtype)"]
+    head += ["fwd error", "reference error (same dtype)", "grad errors (value / loc / attn)",
+             "reference grad errors"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (shape, dtype), rows in by_key.items():
         cells = [shape, dtype]
@@ -507,7 +516,9 @@ def format_markdown(result):
             cells += [f"{r['pymsda_ms']:.3f}", ref,
                       _number(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
         errors = next(iter(rows.values()))["errors"]
-        cells += [_number(errors[ERROR_KEYS[0]]), _number(errors[ERROR_KEYS[1]])]
+        cells += [_number(errors["forward"]), _number(errors["reference_forward"]),
+                  " / ".join(_number(errors[k]) for k in GRAD_KEYS),
+                  " / ".join(_number(errors["reference_" + k]) for k in GRAD_KEYS)]
         lines.append("| " + " | ".join(cells) + " |")
     overhead = result.get("overhead")
     if overhead:

@@ -557,16 +557,19 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
     grad_out = grad_out.contiguous()
     if grad_out.dtype != value.dtype:
         grad_out = grad_out.to(value.dtype)
-    # grad_value accumulates in f32 for half types (c/msda.h), then is cast once.
+    device, stream, threads = _device_args(value)
+    # grad_value of a half type: on the CPU the library accumulates it in an f32 buffer, cast
+    # once here; on CUDA it has value's dtype (c/msda.h: the library accumulates in f32 where
+    # it must, in the workspace it asks for).
     grad_value = None
     if need_value:
-        grad_value = (value.new_empty(value.shape) if value.dtype in _FULL_DTYPES
+        grad_value = (value.new_empty(value.shape) if device >= 0 or value.dtype in _FULL_DTYPES
                       else value.new_empty(value.shape, dtype=torch.float32))
     grad_loc = torch.empty_like(loc) if need_loc else None
     grad_attn = torch.empty_like(attn) if need_attn else None
-    device, stream, threads = _device_args(value)
     workspace, workspace_bytes = None, 0
-    if flags & _lib.FLAG_DETERMINISTIC and need_value and device >= 0:
+    if (need_value and device >= 0
+            and (flags & _lib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
         workspace_bytes = lib.msda_backward_workspace_size(
             B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags)
         if workspace_bytes < 0:
@@ -902,8 +905,11 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         i.e. grid_sample(bilinear, padding_mode="zeros", align_corners=False) with
         grid = 2 * loc - 1. sampling_locations and attention_weights of another float dtype are
         cast to value's dtype. Differentiable with respect to value, sampling_locations and
-        attention_weights. Half precision accumulates in float32. Empty batches or query sets
-        (B = 0, Q = 0) give empty outputs and gradients; meta tensors give a meta output.
+        attention_weights. Half precision accumulates in float32; on CUDA (sm_90 and newer) the
+        float32 sums of grad_value are added into the half-precision gradient with atomics,
+        each rounded once as it is added (deterministic=True rounds each element once).
+        Empty batches or query sets (B = 0, Q = 0) give empty outputs and gradients; meta
+        tensors give a meta output.
 
     Non-finite input (CPU and CUDA, forward and backward):
         A sampling location that is NaN or +-Inf in x or y (or so far outside its level that

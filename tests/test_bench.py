@@ -52,13 +52,13 @@ def test_run_gives_one_row_per_shape_dtype_and_pass_with_the_expected_keys(resul
 def test_run_reports_small_f32_errors_for_forward_and_gradients(result):
     for row in result["rows"]:
         errors = row["errors"]
-        if row["dtype"] == "f32":
-            for key in ("forward", "grad_value", "grad_loc", "grad_attn"):
-                assert errors[key] < 1e-5, (row["shape"], key, errors[key])
-            assert errors["reference_forward"] < 1e-5
-        else:  # bf16: no gradient errors, the reference's own error beside pymsda's
-            assert errors["forward"] < 2e-2
-            assert errors["grad_value"] is None and errors["reference_forward"] is not None
+        bound = 1e-5 if row["dtype"] == "f32" else 5e-2  # bf16: 8 bits of mantissa
+        for key in ("forward",) + bench.GRAD_KEYS:
+            assert errors[key] < bound, (row["shape"], row["dtype"], key, errors[key])
+            # the reference's own error in the same dtype, beside pymsda's
+            assert 0 <= errors["reference_" + key] < 10 * bound, (row["shape"], key)
+        if row["dtype"] == "bf16":  # a real rounding error, not 0: the bench ran in bf16
+            assert errors["reference_forward"] > 1e-4
 
 
 def test_no_reference_leaves_the_reference_columns_empty():
