@@ -217,6 +217,12 @@
  *      reference's own (grid_sample in the same dtype) 1.9e-1 / 2.3e-2, 6.6e-2 / 8.2e-3,
  *      1.9e-1 / 2.3e-2 and 1.4e-1 / 1.7e-2: 9 to 40 times smaller still; the point gradients
  *      are unchanged. deterministic=True keeps one rounding per element. <- shipped
+ *   v31 v30 with the aggregated kernel's grad_output kept in shared memory in the half type
+ *      (8 bytes per 4 channels instead of 16: half the walk's s_go reads, 40.8 instead of 44.9
+ *      KB of shared memory), widened as the walk reads it: ddetr_enc bf16 / f16 0.422 / 0.421
+ *      -> 0.431 / 0.431 ms, m2f_enc 0.353 / 0.351 -> 0.360 / 0.360 (alternated twice in one
+ *      session). The widening's 8 instructions a slot cost more than the shared-memory reads
+ *      they save. Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
