@@ -215,7 +215,7 @@
  *      (bf16 / f16): ddetr_enc 1.7e-3 / 2.1e-4 -> 7.6e-3 / 9.6e-4, m2f_enc -> 5.1e-3 / 6.6e-4,
  *      dino_dec900 -> 5.3e-3 / 6.9e-4, rtdetr_dec_b8 -> 3.5e-3 / 4.4e-4, against the
  *      reference's own (grid_sample in the same dtype) 1.9e-1 / 2.3e-2, 6.6e-2 / 8.2e-3,
- *      1.9e-1 / 2.3e-2 and 1.4e-1 / 1.7e-2: 9 to 40 times smaller still; the point gradients
+ *      1.9e-1 / 2.3e-2 and 1.4e-1 / 1.7e-2: 12 to 40 times smaller still; the point gradients
  *      are unchanged. deterministic=True keeps one rounding per element. <- shipped
  *   v31 v30 with the aggregated kernel's grad_output kept in shared memory in the half type
  *      (8 bytes per 4 channels instead of 16: half the walk's s_go reads, 40.8 instead of 44.9
