@@ -284,3 +284,64 @@ def test_wide_half_forward_of_large_problems_matches_f64_oracle(generator, dtype
         assert rel_l2(out, out32) <= 1.5 * rel_l2(out32.to(dtype), out32)
     else:
         assert torch.equal(out, out32.to(dtype))
+
+
+# ---- half-precision grad_value through the f32 buffer (code for GPUs before sm_90) ---------------
+
+_F32_BUFFER_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import pymsda
+from pymsda import _lib
+from factories import GRAD_NAMES, make_inputs, oracle_backward, random_grad_output, rel_l2, run_msda
+errors = {}
+for name, queries in (("aggregated", 60), ("per_point", 5)):
+    for dtype in (torch.bfloat16, torch.float16):
+        generator = torch.Generator().manual_seed(7)
+        inputs = make_inputs(generator, 2, queries, 2, 32, [(6, 8), (3, 4)], 2, dtype=dtype,
+                             device="cuda", kink_free=True)
+        leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+        out = run_msda(inputs, **leaves)
+        grad_output = random_grad_output(generator, out)
+        out.backward(grad_output)
+        expected = oracle_backward(inputs, grad_output)
+        errors[f"{name}/{dtype}"] = [rel_l2(leaves[k].grad, e) for k, e in zip(GRAD_NAMES, expected)]
+code = _lib.DTYPE_BF16
+need = pymsda.ops.lib.msda_backward_workspace_size(2, 60, 2, 32, 2, 60, 2, code, 0, 0)
+print(json.dumps({"errors": errors, "workspace": need, "library": pymsda.library_path()}))
+"""
+
+
+def test_half_grad_value_without_sm90_code_goes_through_the_f32_buffer(tmp_path):
+    # Code built for GPUs before sm_90 (no half-precision vector atomics) accumulates a half
+    # grad_value in an f32 buffer: a library with only sm_80 code (PTX compiled for this GPU
+    # at load) asks for a workspace of 4 bytes per value element and rounds grad_value once,
+    # in the aggregated (encoder) and per-point (decoder) kernels. Builds that library (about a
+    # minute); needs nvcc and make.
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("nvcc") is None or shutil.which("make") is None:
+        pytest.skip("needs nvcc and make to build an sm_80 library")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("an sm_80 library does not run on this GPU")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    build = tmp_path / "build-sm80"
+    made = subprocess.run(["make", "-C", os.path.dirname(tests), "CUDA_ARCHS=80",
+                           f"BUILD={build}", f"-j{os.cpu_count() or 2}"],
+                          capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    env = dict(os.environ, PYMSDA_LIBRARY=str(build / "libpymsda.so"))
+    done = subprocess.run([sys.executable, "-c", _F32_BUFFER_SCRIPT, tests], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert os.path.realpath(result["library"]) == os.path.realpath(build / "libpymsda.so")
+    assert result["workspace"] == 2 * 60 * 2 * 32 * 4
+    for case, errors in result["errors"].items():
+        unit_roundoff = 2.0 ** -8 if "bfloat16" in case else 2.0 ** -11
+        for name, error in zip(GRAD_NAMES, errors):
+            assert error < unit_roundoff, (case, name, error)
