@@ -269,21 +269,19 @@ template <typename T, int N> __device__ __forceinline__ void red_half(T *p, cons
     unsigned w[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) w[i] = pack2(p, v[2 * i], v[2 * i + 1]);
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-        if constexpr (N == 8)
-            asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(p),
-                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-        else
-            asm volatile("red.global.add.noftz.v2.bf16x2 [%0], {%1, %2};" ::"l"(p), "r"(w[0]),
-                         "r"(w[1]) : "memory");
-    } else if constexpr (std::is_same<T, __half>::value) {
-        if constexpr (N == 8)
-            asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(p),
-                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-        else
-            asm volatile("red.global.add.noftz.v2.f16x2 [%0], {%1, %2};" ::"l"(p), "r"(w[0]),
-                         "r"(w[1]) : "memory");
-    }
+/* one 16-byte (N = 8) or 8-byte (N = 4) reduction of packed pairs of type PAIR */
+#define MSDA_RED_PAIRS(PAIR)                                                                     \
+    do {                                                                                         \
+        if constexpr (N == 8)                                                                    \
+            asm volatile("red.global.add.noftz.v4." PAIR " [%0], {%1, %2, %3, %4};" ::"l"(p),    \
+                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");                 \
+        else                                                                                     \
+            asm volatile("red.global.add.noftz.v2." PAIR " [%0], {%1, %2};" ::"l"(p), "r"(w[0]), \
+                         "r"(w[1]) : "memory");                                                   \
+    } while (0)
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) MSDA_RED_PAIRS("bf16x2");
+    else if constexpr (std::is_same<T, __half>::value) MSDA_RED_PAIRS("f16x2");
+#undef MSDA_RED_PAIRS
 #else
     (void)p, (void)v; /* not compiled in: NativeHalf is false before sm_90 */
 #endif
