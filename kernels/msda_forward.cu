@@ -83,6 +83,11 @@
  *      0.189 / 0.140 ms, m2f_enc 0.154 / 0.119 -> 0.172 / 0.129 (alternated twice in one session; a
  *      first version with slower index arithmetic: bf16 0.144). Not shipped: rows of 32 or 64
  *      pixels gather faster here, though the tiles touch fewer distinct rows.
+ *   v16 v13 with 16 channels a thread for half types in encoders (two 16-byte loads a corner,
+ *      C / 16 threads an item, 128 items a block, 48 registers, no spills): ddetr_enc bf16 /
+ *      f16 0.127 / 0.128 -> 0.177 / 0.177 ms, m2f_enc 0.120 / 0.118 -> 0.156 / 0.156
+ *      (alternated twice in one session). Not shipped. Likely cause, not profiled: a warp's
+ *      load then reaches the rows of 16 items instead of 8, twice the L1 lines an instruction.
  */
 #include <type_traits>
 
