@@ -1174,13 +1174,10 @@ static bool native_half(int device) {
     static signed char known[64]; /* 0 unknown, 1 no, 2 yes */
     if (device < 0 || device >= 64) return false;
     if (known[device] == 0) {
-        int prev = -1;
+        DeviceGuard guard; /* the workspace query comes without one */
         cudaFuncAttributes attr;
-        bool ok = cudaGetDevice(&prev) == cudaSuccess;
-        if (ok && prev != device) ok = cudaSetDevice(device) == cudaSuccess;
-        ok = ok && cudaFuncGetAttributes(&attr, half_convert_kernel<__half>) == cudaSuccess;
-        if (prev >= 0 && prev != device) cudaSetDevice(prev);
-        if (!ok) {
+        if (guard.select(device) != cudaSuccess ||
+            cudaFuncGetAttributes(&attr, half_convert_kernel<__half>) != cudaSuccess) {
             cudaGetLastError();
             return false;
         }
