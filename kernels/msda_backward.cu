@@ -223,6 +223,22 @@
  *      -> 0.431 / 0.431 ms, m2f_enc 0.353 / 0.351 -> 0.360 / 0.360 (alternated twice in one
  *      session). The widening's 8 instructions a slot cost more than the shared-memory reads
  *      they save. Not shipped.
+ *   v32 v30 with the aggregated kernel's staged points unpadded (StageAgg::STRIDE = K, was
+ *      K + 1). ncu of v30 (bf16 ddetr_enc): shared-memory wavefronts are 81% of the L1's data
+ *      wavefronts (54.4 M, 39.6 M ideal); the staging's stores, the filing's reads and the point
+ *      gradients' reads all take (item, point) from consecutive threads, for which the padding
+ *      made 2-way bank conflicts (3.2 M excess wavefronts). ddetr_enc f32 / bf16 0.449 / 0.418
+ *      -> 0.445 / 0.415 ms, m2f_enc 0.377 / 0.352 -> 0.374 / 0.349 (alternated twice in one
+ *      session). <- shipped
+ *      With it, the filing's lanes spread over items 32 apart instead of neighbours (a warp's
+ *      shared atomics to one address serialise like bank conflicts; simulated: 3.82 -> 3.51
+ *      lanes on the busiest bank): ddetr_enc 0.452 / 0.425, m2f_enc 0.379 / 0.357, slower.
+ *   v33 (decoders' per-point kernel, f32) each corner's 128-byte row of contributions written
+ *      to shared memory and added by one TMA bulk reduction (cp.reduce.async.bulk .add.f32)
+ *      instead of 8 16-byte vector atomics (ncu of dino_dec900: the L2 fabric between the two
+ *      L2 halves 68% busy, requests into L2 61%): dino_dec900 0.083 -> 0.105 ms, rtdetr_dec_b8
+ *      0.104 -> 0.128, ddetr_dec 0.044 -> 0.051 (alternated twice); ncu: the same 5.2 M
+ *      sectors of reductions reach L2, requests into L2 69% busy. Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -612,7 +628,9 @@ template <int G> struct StageAgg {
     static constexpr int MUL = K0 >= 2 ? 2 : 1; /* items per group */
     static constexpr int IPB = GPB * MUL;       /* items per block */
     static constexpr int K = K0 / MUL;          /* points per item per chunk */
-    static constexpr int STRIDE = K + 1;
+    /* unpadded (v32): every access here takes (item, point) from consecutive threads, where
+     * Stage's padding (for groups that each read one point) only made bank conflicts */
+    static constexpr int STRIDE = K;
     static constexpr int NS = IPB * K * 4; /* corner slots per chunk (<= 1024 for G >= 2) */
     static constexpr int HS = NS;          /* hash positions */
     static constexpr int HBITS = HS >= 2048 ? 11 : (HS >= 1024 ? 10 : 9);
