@@ -88,6 +88,23 @@
  *      f16 0.127 / 0.128 -> 0.177 / 0.177 ms, m2f_enc 0.120 / 0.118 -> 0.156 / 0.156
  *      (alternated twice in one session). Not shipped. Likely cause, not profiled: a warp's
  *      load then reaches the rows of 16 items instead of 8, twice the L1 lines an instruction.
+ *   ncu of v13 (bf16 ddetr_enc, 150 us at base clock): the L1's LSU data-pipe wavefronts are
+ *      the busiest unit (75%; issue 69%): 19.3 M for the 2.55 M gathers (7.5 each, with 4.4-4.9
+ *      line lookups each) and 4.4 M for shared memory (all at their ideal). The counts fit a
+ *      16-byte gather served a quarter warp (8 lanes, two items here) at a time, each line a
+ *      quarter touches a wavefront: one per item and corner unless the two items of a quarter
+ *      share the line, in half precision as in f32 (whose 8-lane item fills the line).
+ *      So the half forward moves half the bytes of f32 at about the same wavefronts; the value
+ *      layout (B, S, H, C) gives a line of a pixel two heads' rows, never two corners.
+ *   v17 v13 with half types' 8-channel kernel capped for 6 or 7 blocks a multiprocessor (40
+ *      registers and 16 bytes of spills; 32 and 56): ddetr_enc bf16 / f16 0.127 / 0.126 ->
+ *      0.129 / 0.129 (6) and 0.184 / 0.185 (7), m2f_enc 0.119 / 0.118 -> 0.119 / 0.118 and 0.168
+ *      / 0.168 (alternated twice in one session). Not shipped.
+ *   v18 v13 with 1, 2 or 4 of a point's 4 corners gathered through the texture pipe
+ *      (tex1Dfetch of 16-byte texels from a texture object over value), hoping its
+ *      wavefronts would add to the LSU's: ddetr_enc bf16 0.127 -> 0.146 / 0.171 / 0.171 ms,
+ *      m2f_enc 0.119 -> 0.135 / 0.160 / 0.154 (alternated twice in one session). The texture
+ *      path is slower and not additive. Not shipped.
  */
 #include <type_traits>
 
