@@ -239,6 +239,14 @@
  *      L2 halves 68% busy, requests into L2 61%): dino_dec900 0.083 -> 0.105 ms, rtdetr_dec_b8
  *      0.104 -> 0.128, ddetr_dec 0.044 -> 0.051 (alternated twice); ncu: the same 5.2 M
  *      sectors of reductions reach L2, requests into L2 69% busy. Not shipped.
+ *   v34 v32 with each walker prefetching the value row of its next round's entry (the walk's
+ *      row load was 4.6% of the warp samples, ncu of v32, bf16 ddetr_enc): into L1, ddetr_enc
+ *      f32 / bf16 0.444 / 0.415 -> 0.452 / 0.419 ms, m2f_enc 0.373 / 0.348 -> 0.380 / 0.351;
+ *      into L2, 0.453 / 0.421, 0.381 / 0.353 (alternated twice in one session). Not shipped.
+ *   v35 v32 with the walk's entries claimed by warps as they finish (a shared counter; a warp
+ *      takes one entry per walker, longest first) instead of dealt in fixed rounds (the barrier
+ *      after the walk held 8% of the warp samples): 0.456 / 0.428, m2f_enc 0.384 / 0.358 (same
+ *      session). Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
