@@ -245,8 +245,17 @@
  *      into L2, 0.453 / 0.421, 0.381 / 0.353 (alternated twice in one session). Not shipped.
  *   v35 v32 with the walk's entries claimed by warps as they finish (a shared counter; a warp
  *      takes one entry per walker, longest first) instead of dealt in fixed rounds (the barrier
- *      after the walk held 8% of the warp samples): 0.456 / 0.428, m2f_enc 0.384 / 0.358 (same
+ *      after the walk held 8% of the warp samples): ddetr_enc 0.456 / 0.428, m2f_enc 0.384 / 0.358 (same
  *      session). Not shipped.
+ *   v36 v32 with the corners of one item's points that fall on the same row merged before
+ *      filing (a simulation of realistic ddetr_enc / m2f_enc inputs: 17% of the slots repeat a
+ *      row of an earlier point of their item; the earliest files one slot with the summed
+ *      coefficients, the others read its dot for their point gradients): ddetr_enc f32 / bf16
+ *      0.446 / 0.417 -> 0.539 / 0.520 ms, m2f_enc 0.375 / 0.350 -> 0.450 / 0.435 (alternated
+ *      twice in one session; a first version with 8 bytes of spills: 0.552 / 0.530). The
+ *      search of the item's other points (4 offset and up to 3 weight reads per slot in the
+ *      filing, 3 per point after the walk) costs far more than the steps it saves; not
+ *      profiled. Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
