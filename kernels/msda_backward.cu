@@ -245,8 +245,8 @@
  *      into L2, 0.453 / 0.421, 0.381 / 0.353 (alternated twice in one session). Not shipped.
  *   v35 v32 with the walk's entries claimed by warps as they finish (a shared counter; a warp
  *      takes one entry per walker, longest first) instead of dealt in fixed rounds (the barrier
- *      after the walk held 8% of the warp samples): ddetr_enc 0.456 / 0.428, m2f_enc 0.384 / 0.358 (same
- *      session). Not shipped.
+ *      after the walk held 8% of the warp samples): ddetr_enc 0.456 / 0.428, m2f_enc 0.384 /
+ *      0.358 (same session). Not shipped.
  *   v36 v32 with the corners of one item's points that fall on the same row merged before
  *      filing (a simulation of realistic ddetr_enc / m2f_enc inputs: 17% of the slots repeat a
  *      row of an earlier point of their item; the earliest files one slot with the summed
