@@ -262,6 +262,11 @@
  *      rounds are empty): ddetr_enc f32 / bf16 0.445 / 0.415 -> 0.439 / 0.406 ms, m2f_enc 0.374
  *      / 0.349 -> 0.370 / 0.342 (alternated twice in one session). <- shipped
  *      Without the sort (entries walked in filing order): 0.507 / 0.488, m2f_enc 0.434 / 0.417.
+ *   v38 v37 with every warp taking the bucket sizes' prefix sum itself (one barrier and warp
+ *      0's pass fewer per chunk): ddetr_enc f32 / bf16 0.441 / 0.408 -> 0.443 / 0.413 ms,
+ *      m2f_enc 0.370 / 0.343 -> 0.372 / 0.346; with grad_output's loads also left in registers
+ *      until the first chunk is staged (their wait was 1.7% of the warp samples): 0.447 /
+ *      0.421, 0.376 / 0.353 (alternated twice in one session). Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
