@@ -262,6 +262,9 @@
  *      rounds are empty): ddetr_enc f32 / bf16 0.445 / 0.415 -> 0.439 / 0.406 ms, m2f_enc 0.374
  *      / 0.349 -> 0.370 / 0.342 (alternated twice in one session). <- shipped
  *      Without the sort (entries walked in filing order): 0.507 / 0.488, m2f_enc 0.434 / 0.417.
+ *      Segments of 12 or 24 slots instead of 16 (MSDA_AGG_CAP) with it: ddetr_enc 0.457 / 0.425
+ *      and 0.454 / 0.422 against 0.440 / 0.407, m2f_enc 0.385 / 0.358 and 0.380 / 0.355 against
+ *      0.370 / 0.343 (alternated twice in one session).
  *   v38 v37 with every warp taking the bucket sizes' prefix sum itself (one barrier and warp
  *      0's pass fewer per chunk): ddetr_enc f32 / bf16 0.441 / 0.408 -> 0.443 / 0.413 ms,
  *      m2f_enc 0.370 / 0.343 -> 0.372 / 0.346; with grad_output's loads also left in registers
