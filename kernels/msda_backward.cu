@@ -20,8 +20,10 @@
  *   block then writes the location and weight gradients coalesced, one thread per point.
  *   Generic path (f64, other C, unaligned pointers): one warp per (b, q, h), lane j owns channels
  *   j, j+32, ...; warp-shuffle sums written by lane 0.
- *   grad_value is zeroed with cudaMemsetAsync on the same stream first; it is the only output
- *   written with atomics (so its summation order, and its last bits, vary from run to run).
+ *   grad_value is zeroed on the same stream first (cudaMemsetAsync; for the aggregated kernel
+ *   with sm_90 code, zero_kernel and a programmatic dependent launch, v39); it is the only
+ *   output written with atomics (so its summation order, and its last bits, vary from run to
+ *   run).
  * Options (both paths): per-level point counts (level of a point from pr.point_start), nearest
  *   sampling (one corner of weight 1, location gradient 0), fused softmax (each item's logit
  *   maximum and 1 / sum(exp) first, by its warp or group, in a fixed order; the logit gradient
@@ -270,6 +272,25 @@
  *      m2f_enc 0.370 / 0.343 -> 0.372 / 0.346; with grad_output's loads also left in registers
  *      until the first chunk is staged (their wait was 1.7% of the warp samples): 0.447 /
  *      0.421, 0.376 / 0.353 (alternated twice in one session). Not shipped.
+ *   v39 v37 with grad_value zeroed by zero_kernel (one block of 64 threads a multiprocessor, which
+ *      fits beside the aggregated kernel's 5 blocks) and the aggregated kernel launched as its
+ *      programmatic dependent (griddepcontrol.wait before the first scatter), so its first
+ *      blocks stage, file and sort their first chunk during the zeroing (torch profiler, bf16
+ *      ddetr_enc: memset 6.1 us, then 1.2 us idle, then the kernel's 399 us). ms, alternated
+ *      twice in one session (H100), f32 / bf16 / f16:
+ *        ddetr_enc   0.440 / 0.407 / 0.407 -> 0.437 / 0.404 / 0.404
+ *        m2f_enc     0.371 / 0.342 / 0.342 -> 0.367 / 0.339 / 0.339
+ *      The wait moved to just before each walker's first scatter (after its first walk): the
+ *      same times (0.437 / 0.404). v22 tried this with a zero kernel of 256-thread blocks,
+ *      which left room for 4 aggregated blocks a multiprocessor while it ran. <- shipped
+ *   v40 v39 with the blocks taking the item tiles last first. An encoder's items end with the
+ *      queries of its coarse levels, whose points spread over the finer levels: simulated
+ *      (realistic ddetr_enc, 8 x 8 query tiles of one head), distinct value rows per tile
+ *      331 / 594 / 1215 / 1912 for queries of levels 0 / 1 / 2 / 3, of ~3900 slots each, so
+ *      the last tiles cost the most and made the grid's tail (7.6 waves of blocks). ms,
+ *      alternated twice in one session, f32 / bf16:
+ *        ddetr_enc   0.437 / 0.404 -> 0.421 / 0.389
+ *        m2f_enc     0.368 / 0.339 -> 0.364 / 0.331  <- shipped
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -332,6 +353,34 @@ template <typename T, int N> __device__ __forceinline__ void red_half(T *p, cons
 #else
     (void)p, (void)v; /* not compiled in: NativeHalf is false before sm_90 */
 #endif
+}
+
+/* Programmatic dependent launch (sm_90 and newer, v39): the aggregated backward is launched as
+ * a dependent of zero_kernel, which zeroes grad_value, so its blocks start their first chunk
+ * (staging, filing, sort) while grad_value is being zeroed; griddepcontrol.wait, before the
+ * first scatter, holds them until zero_kernel has finished and its stores are visible. In code
+ * built for older architectures the wait is compiled out and the host uses cudaMemsetAsync. */
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/* grad_value = 0, 16 bytes a store, by a grid resident at once whose blocks let the dependent
+ * kernel launch at their start. MSDA_ZERO_THREADS threads a block, one block a multiprocessor:
+ * small enough to sit beside the 5 blocks of the aggregated kernel (their registers leave
+ * 4096 free), so that kernel runs at full occupancy while the zeroing goes on. */
+#define MSDA_ZERO_THREADS 64
+__global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int64_t n16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t stride = (int64_t)gridDim.x * MSDA_ZERO_THREADS;
+    int64_t j = (int64_t)blockIdx.x * MSDA_ZERO_THREADS + threadIdx.x;
+    for (; j + 3 * stride < n16; j += 4 * stride) /* four stores in flight a thread */
+        p[j] = z, p[j + stride] = z, p[j + 2 * stride] = z, p[j + 3 * stride] = z;
+    for (; j < n16; j += stride) p[j] = z;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -758,7 +807,12 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
     if (OPT && threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
     __syncthreads();
-    for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
+    /* blocks take the tiles last first (v40): an encoder's items end with the queries of its
+     * coarse levels, whose points spread over the finer levels and aggregate least (the
+     * costliest blocks); started first, they no longer make the grid's tail */
+    const int n_tiles = (int)(((int64_t)n_items + St::IPB - 1) / St::IPB);
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        const int base = (n_tiles - 1 - t) * St::IPB;
         fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
 #pragma unroll
@@ -938,6 +992,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 /* s_go indexed as float4s of the shared array itself (a generic pointer into it
                  * had the compiler recompute shared addresses in every step of the walk) */
                 const int q0 = h0 >> 2, q1 = h1 >> 2;
+                if (want_gv) grid_dep_wait(); /* zero_kernel done (v39; at once after the first) */
                 for (int e0 = 0; e0 < nent; e0 += WPB) {
                     int key, j;
                     int2 m;
@@ -1144,15 +1199,25 @@ static inline unsigned int flat_blocks(int64_t n) {
  * twice over (decoders: a few thousand queries) gives each block a slice of its items' points,
  * so more blocks run; the point gradients are per point and grad_value is atomic, so slices
  * need no reduction. Not with softmax (its logit gradient needs all of an item's points). */
-static int point_slices(const msda_problem *pr, unsigned int blocks) {
-    static int sm_count[64];
-    if (pr->flags & MSDA_SOFTMAX || pr->device >= 64) return 1;
-    int sms = sm_count[pr->device];
-    if (sms == 0) {
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pr->device) != cudaSuccess)
-            return 1;
-        sm_count[pr->device] = sms;
+/* Multiprocessors of a device, asked once; 0 where the question fails. */
+static int sm_count(int device) {
+    static int known[64];
+    if (device < 0 || device >= 64) return 0;
+    if (known[device] == 0) {
+        int sms = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        known[device] = sms;
     }
+    return known[device];
+}
+
+static int point_slices(const msda_problem *pr, unsigned int blocks) {
+    if (pr->flags & MSDA_SOFTMAX) return 1;
+    const int sms = sm_count(pr->device);
+    if (sms == 0) return 1;
     /* H100: slicing the 150 blocks of ddetr_dec (300 queries) in 4 took its backward from
      * 0.056 to 0.044 ms; slicing the 450-600 blocks of dino_dec900 / rtdetr_dec_b8 in 3 gained
      * nothing there (0.083 vs 0.082 ms) and lost 5% here (0.110 vs 0.105 ms). */
@@ -1169,61 +1234,12 @@ static int point_slices(const msda_problem *pr, unsigned int blocks) {
  * (a few hundred scattered queries; there it measured 15-20% slower than msda_backward_fast). */
 static inline bool aggregates(const msda_problem *pr) { return pr->Q * pr->NP >= 2 * pr->S; }
 
-template <typename T, int G, bool DET>
-static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
-    const dim3 grid(blocks, point_slices(pr, blocks));
-    const bool opt = msda_needs_general(pr);
-    if constexpr (G >= 4) {
-        /* not with DET and softmax: the logit gradient's per-item sum is a float atomic there */
-        if (aggregates(pr) && !(DET && (pr->flags & MSDA_SOFTMAX))) {
-            const bool full = pr->grad_value && pr->grad_sampling_locations &&
-                              pr->grad_attention_weights;
-            const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, StageAgg<G>::IPB);
-            const dim3 grid(agg_blocks, point_slices(pr, agg_blocks));
-            if (opt) {
-                msda_backward_agg<T, G, true, DET, false><<<grid, 256, 0, stream>>>(*pr);
-                return cudaSuccess;
-            }
-            if constexpr (!DET) {
-                if (full) {
-                    msda_backward_agg<T, G, false, false, true><<<grid, 256, 0, stream>>>(*pr);
-                    return cudaSuccess;
-                }
-            }
-            msda_backward_agg<T, G, false, DET, false><<<grid, 256, 0, stream>>>(*pr);
-            return cudaSuccess;
-        }
-    }
-    if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
-    else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
-    return cudaSuccess;
-}
-
-template <typename T, bool DET>
-static cudaError_t launch_kernels(const msda_problem *pr, cudaStream_t stream) {
-    if constexpr (HasFast<T>::value) {
-        const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
-        switch (fast_group(pr, ptrs, 3)) {
-        case 1: return launch_fast<T, 1, DET>(pr, stream);
-        case 2: return launch_fast<T, 2, DET>(pr, stream);
-        case 4: return launch_fast<T, 4, DET>(pr, stream);
-        case 8: return launch_fast<T, 8, DET>(pr, stream);
-        case 16: return launch_fast<T, 16, DET>(pr, stream);
-        case 32: return launch_fast<T, 32, DET>(pr, stream);
-        default: break;
-        }
-    }
-    msda_backward_kernel<T, DET><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
-    return cudaSuccess;
-}
-
-/* Whether the backward kernels that run on `device` add half-precision sums into grad_value
- * directly (NativeHalf: code built for sm_90 or newer). The code a device runs is the build's
- * machine code for its architecture or, failing that, PTX of an older one compiled for it: the
- * kernels' PTX version says which, so a build without sm_90 code run on an H100 takes the f32
- * buffer. Asked once per device; false where the question fails. */
-static bool native_half(int device) {
+/* Whether the kernels that run on `device` are code for sm_90 or newer (half-precision vector
+ * reductions, programmatic dependent launch). The code a device runs is the build's machine
+ * code for its architecture or, failing that, PTX of an older one compiled for it: the kernels'
+ * PTX version says which, so a build without sm_90 code run on an H100 takes the older paths.
+ * Asked once per device; false where the question fails. */
+static bool sm90_code(int device) {
     static signed char known[64]; /* 0 unknown, 1 no, 2 yes */
     if (device < 0 || device >= 64) return false;
     if (known[device] == 0) {
@@ -1237,6 +1253,100 @@ static bool native_half(int device) {
         known[device] = attr.ptxVersion >= 90 ? 2 : 1;
     }
     return known[device] == 2;
+}
+
+/* Whether the backward kernels that run on `device` add half-precision sums into grad_value
+ * directly (NativeHalf), else into an f32 buffer in the workspace. */
+static bool native_half(int device) { return sm90_code(device); }
+
+/* grad_value (`bytes` of it, ZERO true) = 0 before `kernel`, then `kernel`: with sm_90 code,
+ * 16-byte multiples and alignment, by zero_kernel and a programmatic dependent launch of
+ * `kernel` (which must call grid_dep_wait before its first scatter: the aggregated kernel);
+ * otherwise by cudaMemsetAsync first. */
+template <bool ZERO>
+static cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
+                                    const msda_problem *pr, cudaStream_t stream) {
+    bool pdl = false;
+    if (ZERO && pr->grad_value) {
+        const int sms = sm_count(pr->device);
+        if (bytes % 16 == 0 && ((uintptr_t)pr->grad_value & 15) == 0 && sms > 0 &&
+            sm90_code(pr->device)) {
+            const int64_t n16 = bytes / 16, want = (n16 + MSDA_ZERO_THREADS - 1) / MSDA_ZERO_THREADS;
+            zero_kernel<<<(unsigned int)(want < sms ? (want < 1 ? 1 : want) : sms),
+                          MSDA_ZERO_THREADS, 0, stream>>>((float4 *)pr->grad_value, n16);
+            pdl = true;
+        } else {
+            const cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
+            if (e != cudaSuccess) return e;
+        }
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(256);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, *pr);
+}
+
+/* ZERO: grad_value (bytes of it) is still to be zeroed, here or by the kernel's launcher */
+template <typename T, int G, bool DET, bool ZERO>
+static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int64_t bytes) {
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
+    const dim3 grid(blocks, point_slices(pr, blocks));
+    const bool opt = msda_needs_general(pr);
+    if constexpr (G >= 4) {
+        /* not with DET and softmax: the logit gradient's per-item sum is a float atomic there */
+        if (aggregates(pr) && !(DET && (pr->flags & MSDA_SOFTMAX))) {
+            const bool full = pr->grad_value && pr->grad_sampling_locations &&
+                              pr->grad_attention_weights;
+            const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, StageAgg<G>::IPB);
+            const dim3 grid(agg_blocks, point_slices(pr, agg_blocks));
+            if (opt)
+                return zero_then_launch<ZERO>(msda_backward_agg<T, G, true, DET, false>, grid,
+                                              bytes, pr, stream);
+            if constexpr (!DET) {
+                if (full)
+                    return zero_then_launch<ZERO>(msda_backward_agg<T, G, false, false, true>,
+                                                  grid, bytes, pr, stream);
+            }
+            return zero_then_launch<ZERO>(msda_backward_agg<T, G, false, DET, false>, grid, bytes,
+                                          pr, stream);
+        }
+    }
+    if (ZERO && pr->grad_value) {
+        const cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
+        if (e != cudaSuccess) return e;
+    }
+    if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
+    else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
+    return cudaSuccess;
+}
+
+/* ZERO: grad_value (`bytes` of it) is zeroed here first (by the fast kernels' launcher) */
+template <typename T, bool DET, bool ZERO>
+static cudaError_t launch_kernels(const msda_problem *pr, cudaStream_t stream, int64_t bytes) {
+    if constexpr (HasFast<T>::value) {
+        const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
+        switch (fast_group(pr, ptrs, 3)) {
+        case 1: return launch_fast<T, 1, DET, ZERO>(pr, stream, bytes);
+        case 2: return launch_fast<T, 2, DET, ZERO>(pr, stream, bytes);
+        case 4: return launch_fast<T, 4, DET, ZERO>(pr, stream, bytes);
+        case 8: return launch_fast<T, 8, DET, ZERO>(pr, stream, bytes);
+        case 16: return launch_fast<T, 16, DET, ZERO>(pr, stream, bytes);
+        case 32: return launch_fast<T, 32, DET, ZERO>(pr, stream, bytes);
+        default: break;
+        }
+    }
+    if (ZERO && pr->grad_value) {
+        const cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
+        if (e != cudaSuccess) return e;
+    }
+    msda_backward_kernel<T, DET><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
 }
 
 /* Bytes of f32 accumulation buffer a half type's grad_value needs in the workspace (0 with
@@ -1257,23 +1367,23 @@ template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStre
                 buffered.grad_value = pr->workspace;
                 cudaError_t e = cudaMemsetAsync(pr->workspace, 0, (size_t)n_value * 4, stream);
                 if (e == cudaSuccess && pr->B * pr->Q > 0)
-                    e = launch_kernels<T, false>(&buffered, stream);
+                    e = launch_kernels<T, false, false>(&buffered, stream, 0);
                 if (e != cudaSuccess) return e;
                 half_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
                 return cudaSuccess;
             }
         }
-        if (pr->grad_value) {
-            cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)n_value * sizeof(T), stream);
-            if (e != cudaSuccess) return e;
+        if (pr->B * pr->Q == 0) {
+            if (pr->grad_value)
+                return cudaMemsetAsync(pr->grad_value, 0, (size_t)n_value * sizeof(T), stream);
+            return cudaSuccess;
         }
-        if (pr->B * pr->Q == 0) return cudaSuccess;
-        return launch_kernels<T, false>(pr, stream);
+        return launch_kernels<T, false, true>(pr, stream, n_value * (int64_t)sizeof(T));
     }
     cudaError_t e = cudaMemsetAsync(pr->workspace, 0, MSDA_DET_HEADER_BYTES + (size_t)n_value * 8, stream);
     if (e != cudaSuccess) return e;
     det_scan_kernel<T><<<flat_blocks(pr->B * pr->Q * pr->H * pr->C), 256, 0, stream>>>(*pr);
-    e = launch_kernels<T, true>(pr, stream);
+    e = launch_kernels<T, true, false>(pr, stream, 0);
     if (e != cudaSuccess) return e;
     det_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
     return cudaSuccess;

@@ -105,6 +105,12 @@
  *      wavefronts would add to the LSU's: ddetr_enc bf16 0.127 -> 0.146 / 0.171 / 0.171 ms,
  *      m2f_enc 0.119 -> 0.135 / 0.160 / 0.154 (alternated twice in one session). The texture
  *      path is slower and not additive. Not shipped.
+ *   v19 v13 with the blocks taking the item tiles last first (as the aggregated backward, v40,
+ *      where it gained 4%): ddetr_enc bf16 / f16 0.128-0.127 / 0.127-0.126 -> 0.126-0.127 /
+ *      0.125-0.126 ms, m2f_enc 0.120-0.119 / 0.118-0.120 -> 0.122-0.123 / 0.121 (alternated
+ *      twice in one session); f32 lost its v12 prefetch (aimed at the items a wave later in
+ *      index order): 0.173 -> 0.191. The forward's blocks cost about the same whatever their
+ *      queries' level. Not shipped.
  */
 #include <type_traits>
 
