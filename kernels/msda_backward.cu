@@ -810,7 +810,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     /* blocks take the tiles last first (v40): an encoder's items end with the queries of its
      * coarse levels, whose points spread over the finer levels and aggregate least (the
      * costliest blocks); started first, they no longer make the grid's tail */
-    const int n_tiles = (int)(((int64_t)n_items + St::IPB - 1) / St::IPB);
+    const int n_tiles = (int)(((unsigned)n_items + St::IPB - 1) / St::IPB); /* no overflow */
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
         const int base = (n_tiles - 1 - t) * St::IPB;
         fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
