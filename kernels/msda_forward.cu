@@ -111,6 +111,10 @@
  *      twice in one session); f32 lost its v12 prefetch (aimed at the items a wave later in
  *      index order): 0.173 -> 0.191. The forward's blocks cost about the same whatever their
  *      queries' level. Not shipped.
+ *   Not tried: a 16-byte staged record per point instead of 32 (the ncu source view of v13
+ *   has the staging's shared-memory reads and writes at 4.1 M of the 23.4 M L1 wavefronts; a
+ *   half record would save about 1.9 M, 8%), which needs the location fraction in 14 bits or
+ *   each corner's validity folded into its weight (0 * Inf would then differ from skipping).
  */
 #include <type_traits>
 
