@@ -371,8 +371,9 @@ __device__ __forceinline__ void store_vec8(__nv_bfloat16 *p, const float (&v)[8]
 }
 
 /* Points per item staged at once: 16, fewer for small groups so shared memory stays small. */
-template <int G> struct Stage {
-    static constexpr int IPB = 256 / G;                                  /* items per block */
+template <int G, int NT_ = 256> struct Stage {
+    static constexpr int NT = NT_;                                       /* threads a block */
+    static constexpr int IPB = NT / G;                                   /* items per block */
     static constexpr int K = (512 / IPB) > 16 ? 16 : ((512 / IPB) < 2 ? 2 : 512 / IPB);
     static constexpr int STRIDE = K + 1; /* padded so groups in a warp hit different banks */
 };
@@ -620,7 +621,7 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
                                             const int2 *s_item, int base, int n_items, int p0,
                                             int kn, const float2 *s_soft, int4 *s_offs,
                                             float4 *s_geo) {
-    for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+    for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
         const int il = j / St::K, k = j % St::K;
         int4 offs = make_int4(-1, -1, -1, -1);
         float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -703,6 +703,7 @@ __device__ __forceinline__ int next_slot_of(const int2 *s_meta, int2 &m) {
  * chunk (4 for C = 32, one level of Deformable DETR's points), NS corner slots, a hash table of
  * HS = NS positions (at most NS distinct rows). */
 template <int G> struct StageAgg {
+    static constexpr int NT = 256;      /* threads a block */
     static constexpr int GPB = 256 / G; /* groups per block */
     static constexpr int K0 = G < 2 ? 2 : (G > 16 ? 16 : G);
     static constexpr int MUL = K0 >= 2 ? 2 : 1; /* items per group */

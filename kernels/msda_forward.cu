@@ -4,8 +4,8 @@
  *                                                                  y = loc_y*H_l - 0.5)
  * Thread map (fast path, f32/f16/bf16 with C = 4*G, G a power of two <= 32): a group of G
  *   threads per (b, q, h), each owning 4 channels (8 for half types in problems of >= 65536
- *   items, with G = C / 8), one vector load per corner; 256 / G items
- *   per block; the block first stages the sampling geometry of its items (K points each) in
+ *   items, with G = C / 8), one vector load per corner; 256 / G items per block (128 / G with
+ *   8 channels a thread, v20); the block first stages the sampling geometry of its items (K points each) in
  *   shared memory, one thread per point (level table, 32-bit index math, corner weights
  *   premultiplied by A), then every group gathers. Items are head-major: a block holds
  *   consecutive queries of one head, which sample nearby pixels (L1 and L2 reuse).
@@ -111,6 +111,16 @@
  *      twice in one session); f32 lost its v12 prefetch (aimed at the items a wave later in
  *      index order): 0.173 -> 0.191. The forward's blocks cost about the same whatever their
  *      queries' level. Not shipped.
+ *   v20 v13 with blocks of 128 threads for the 8-channel kernels (32 items a block, K = 16
+ *      points staged at once, 10 blocks a multiprocessor at 46 registers; the 4-channel
+ *      kernels keep 256): ddetr_enc bf16 / f16 0.129-0.126 / 0.127-0.125 -> 0.124 / 0.122 ms,
+ *      m2f_enc 0.120-0.119 / 0.118-0.117 -> 0.114 / 0.112; f32 and decoders unchanged (same
+ *      kernels); 64 threads (16 items): 0.133 / 0.130, m2f_enc 0.127 / 0.123 (alternated twice
+ *      in one session each). Shorter blocks leave less of a tail, and one chunk of 16 points
+ *      one barrier fewer; not profiled. A first version also gave every fast forward kernel
+ *      __launch_bounds__(NT, 1280 / NT): with 256 threads that bound alone made f32 / f16
+ *      slower (0.173 -> 0.181, 0.126 -> 0.134; the compiler's code changed), so the bounds
+ *      stay as they were. <- shipped
  *   Not tried: a 16-byte staged record per point instead of 32 (the ncu source view of v13
  *   has the staging's shared-memory reads and writes at 4.1 M of the 23.4 M L1 wavefronts; a
  *   half record would save about 1.9 M, 8%), which needs the location fraction in 14 bits or
@@ -164,10 +174,20 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     }
 }
 
+/* Threads a block of the 8-channel (half-type) kernels (v20: 32 items of 4 threads, all 16
+ * points of an item staged at once; 10 blocks a multiprocessor): 128 measured 3-5% faster than
+ * 256 and 8% faster than 64. The 4-channel kernels keep 256. */
+#ifndef MSDA_FWD_WIDE_THREADS
+#define MSDA_FWD_WIDE_THREADS 128
+#endif
+template <int V> struct FwdThreads {
+    static constexpr int NT = V == 8 ? MSDA_FWD_WIDE_THREADS : 256;
+};
+
 template <typename T, int G, bool OPT, int V>
-__global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
+__global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_problem pr) {
     static_assert(V == 4 || V == 8, "4 or 8 channels a thread");
-    typedef Stage<G> St;
+    typedef Stage<G, FwdThreads<V>::NT> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_w[St::IPB * St::STRIDE];
@@ -233,9 +253,10 @@ __global__ void __launch_bounds__(256) msda_forward_fast(msda_problem pr) {
 
 template <typename T, int G, int V>
 static void launch_fast_v(const msda_problem *pr, cudaStream_t stream) {
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
-    if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, 256, 0, stream>>>(*pr);
-    else msda_forward_fast<T, G, false, V><<<blocks, 256, 0, stream>>>(*pr);
+    constexpr int NT = FwdThreads<V>::NT;
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, NT / G);
+    if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, NT, 0, stream>>>(*pr);
+    else msda_forward_fast<T, G, false, V><<<blocks, NT, 0, stream>>>(*pr);
 }
 
 /* G = C / 4 (fast_group) */
