@@ -517,7 +517,8 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
         if (PREFETCH) {
             /* the sampling locations and weights of the item a wave of resident blocks (5 a
              * multiprocessor) later, fetched into L2 for that block's staging: read once,
-             * they come from DRAM */
+             * they come from DRAM (for the 128-thread half-type forward, 10 blocks of half the
+             * items, the distance is half a wave; those kernels gained nothing from it, v12) */
             unsigned n_sm; /* volatile: read here, not held in a register across the loop */
             asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
             /* unsigned: item < 2^31 and the distance < 2^31, so the sum cannot wrap */
