@@ -291,6 +291,35 @@
  *      alternated twice in one session, f32 / bf16:
  *        ddetr_enc   0.437 / 0.404 -> 0.421 / 0.389
  *        m2f_enc     0.368 / 0.339 -> 0.364 / 0.331  <- shipped
+ *   v41 (decoders) grad_value gathered instead of zeroed and scattered: msda_backward_fast run
+ *      without grad_value (loads and point gradients only), then a band kernel: a block owns
+ *      256 consecutive value positions of one (b, h) (f32 sums in 32 KB of shared memory),
+ *      scans every point of the band's level for all queries, sorts the corners that fall in
+ *      the band by owner group (position % 32, a counting sort, so no two groups share a row
+ *      and no atomics are needed), each group adds A * w_k * g into its rows, and the band is
+ *      written once, zeros included (no memset; a half type rounded once). Correct (grad_value
+ *      against f64: f32 9.1e-8 vs 9.4e-8, bf16 1.7e-3 vs 5.3e-3), but ms, f32 / bf16, the
+ *      v40 library alternated twice in one session (H100):
+ *        dino_dec900     0.083 / 0.051 -> 0.175 / 0.166  (scan rounds of 256 points)
+ *                                      -> 0.165 / 0.168  (points with a corner in the band
+ *                                                         collected from 1024 a round first)
+ *                                      -> 0.121 / 0.126  (and coarse levels in bands of
+ *                                         R/2 .. R/16 positions, <= 2048 corners a band; the
+ *                                         plan once a block; 4 grad_output loads in flight)
+ *        rtdetr_dec_b8   0.105 / 0.062 -> 0.123 / 0.116 -> 0.118 / 0.116 -> 0.115 / 0.116
+ *        ddetr_dec       0.044 / 0.030 -> 0.072 / 0.067 -> 0.072 / 0.070 -> 0.065 / 0.064
+ *      torch.profiler, last variant: the loads-only msda_backward_fast 30.6 us (dino_dec900)
+ *      / 32.4 us (rtdetr_dec_b8), the band kernel 84.0 / 77.0 us. ncu (rtdetr_dec_b8): 36 M
+ *      warp instructions for 0.92 M corners (39 a corner: every band rescans its level's
+ *      points, and sorts and walks in rounds), issue slots 46-50% busy, 41% of the warp
+ *      cycles waiting at barriers, a third of the blocks empty (the grid is sized on the host,
+ *      which does not know the level sizes). An earlier form of the last variant, launched as
+ *      a programmatic dependent of msda_backward_fast (to overlap the two; the plan computed
+ *      by every thread): dino_dec900 0.124 / 0.133, rtdetr_dec_b8 0.120 / 0.123 (the launch's
+ *      own effect not measured apart). Not shipped. A gather can only win with the corners binned
+ *      by band as msda_backward_fast computes them (its 31 us plus a band kernel of about
+ *      20 us would be about 0.055 ms at dino_dec900), which needs per-band lists somewhere:
+ *      the band's own grad_value rows could hold them until the band kernel overwrites them.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
