@@ -1289,24 +1289,31 @@ static bool sm90_code(int device) {
  * directly (NativeHalf), else into an f32 buffer in the workspace. */
 static bool native_half(int device) { return sm90_code(device); }
 
-/* grad_value (`bytes` of it, ZERO true) = 0 before `kernel`, then `kernel`: with sm_90 code,
- * 16-byte multiples and alignment, by zero_kernel and a programmatic dependent launch of
- * `kernel` (which must call grid_dep_wait before its first scatter: the aggregated kernel);
- * otherwise by cudaMemsetAsync first. */
-template <bool ZERO>
+/* The first `bytes` of grad_value = 0 on the stream (nothing to do for 0 bytes or without
+ * grad_value). In the launchers below `bytes` is what is still to be zeroed: 0 when the caller
+ * zeroed it already or needs no zeroing. */
+static cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_t stream) {
+    if (bytes <= 0 || !pr->grad_value) return cudaSuccess;
+    return cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
+}
+
+/* grad_value (`bytes` of it) = 0 before `kernel`, then `kernel`: with sm_90 code, 16-byte
+ * multiples and alignment, by zero_kernel and a programmatic dependent launch of `kernel`
+ * (which must call grid_dep_wait before its first scatter: the aggregated kernel); otherwise
+ * by memset_grad_value first. */
 static cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
                                     const msda_problem *pr, cudaStream_t stream) {
     bool pdl = false;
-    if (ZERO && pr->grad_value) {
+    if (bytes > 0 && pr->grad_value) {
         const int sms = sm_count(pr->device);
         if (bytes % 16 == 0 && ((uintptr_t)pr->grad_value & 15) == 0 && sms > 0 &&
             sm90_code(pr->device)) {
             const int64_t n16 = bytes / 16, want = (n16 + MSDA_ZERO_THREADS - 1) / MSDA_ZERO_THREADS;
-            zero_kernel<<<(unsigned int)(want < sms ? (want < 1 ? 1 : want) : sms),
-                          MSDA_ZERO_THREADS, 0, stream>>>((float4 *)pr->grad_value, n16);
+            zero_kernel<<<(unsigned int)(want < sms ? want : sms), MSDA_ZERO_THREADS, 0,
+                          stream>>>((float4 *)pr->grad_value, n16);
             pdl = true;
         } else {
-            const cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
             if (e != cudaSuccess) return e;
         }
     }
@@ -1322,8 +1329,7 @@ static cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int
     return cudaLaunchKernelEx(&cfg, kernel, *pr);
 }
 
-/* ZERO: grad_value (bytes of it) is still to be zeroed, here or by the kernel's launcher */
-template <typename T, int G, bool DET, bool ZERO>
+template <typename T, int G, bool DET>
 static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int64_t bytes) {
     const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
     const dim3 grid(blocks, point_slices(pr, blocks));
@@ -1336,45 +1342,40 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
             const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, StageAgg<G>::IPB);
             const dim3 grid(agg_blocks, point_slices(pr, agg_blocks));
             if (opt)
-                return zero_then_launch<ZERO>(msda_backward_agg<T, G, true, DET, false>, grid,
-                                              bytes, pr, stream);
+                return zero_then_launch(msda_backward_agg<T, G, true, DET, false>, grid, bytes,
+                                        pr, stream);
             if constexpr (!DET) {
                 if (full)
-                    return zero_then_launch<ZERO>(msda_backward_agg<T, G, false, false, true>,
-                                                  grid, bytes, pr, stream);
+                    return zero_then_launch(msda_backward_agg<T, G, false, false, true>, grid,
+                                            bytes, pr, stream);
             }
-            return zero_then_launch<ZERO>(msda_backward_agg<T, G, false, DET, false>, grid, bytes,
-                                          pr, stream);
+            return zero_then_launch(msda_backward_agg<T, G, false, DET, false>, grid, bytes, pr,
+                                    stream);
         }
     }
-    if (ZERO && pr->grad_value) {
-        const cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
-        if (e != cudaSuccess) return e;
-    }
+    const cudaError_t e = memset_grad_value(pr, bytes, stream);
+    if (e != cudaSuccess) return e;
     if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
     else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
-/* ZERO: grad_value (`bytes` of it) is zeroed here first (by the fast kernels' launcher) */
-template <typename T, bool DET, bool ZERO>
+template <typename T, bool DET>
 static cudaError_t launch_kernels(const msda_problem *pr, cudaStream_t stream, int64_t bytes) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
         switch (fast_group(pr, ptrs, 3)) {
-        case 1: return launch_fast<T, 1, DET, ZERO>(pr, stream, bytes);
-        case 2: return launch_fast<T, 2, DET, ZERO>(pr, stream, bytes);
-        case 4: return launch_fast<T, 4, DET, ZERO>(pr, stream, bytes);
-        case 8: return launch_fast<T, 8, DET, ZERO>(pr, stream, bytes);
-        case 16: return launch_fast<T, 16, DET, ZERO>(pr, stream, bytes);
-        case 32: return launch_fast<T, 32, DET, ZERO>(pr, stream, bytes);
+        case 1: return launch_fast<T, 1, DET>(pr, stream, bytes);
+        case 2: return launch_fast<T, 2, DET>(pr, stream, bytes);
+        case 4: return launch_fast<T, 4, DET>(pr, stream, bytes);
+        case 8: return launch_fast<T, 8, DET>(pr, stream, bytes);
+        case 16: return launch_fast<T, 16, DET>(pr, stream, bytes);
+        case 32: return launch_fast<T, 32, DET>(pr, stream, bytes);
         default: break;
         }
     }
-    if (ZERO && pr->grad_value) {
-        const cudaError_t e = cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
-        if (e != cudaSuccess) return e;
-    }
+    const cudaError_t e = memset_grad_value(pr, bytes, stream);
+    if (e != cudaSuccess) return e;
     msda_backward_kernel<T, DET><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
@@ -1397,23 +1398,19 @@ template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStre
                 buffered.grad_value = pr->workspace;
                 cudaError_t e = cudaMemsetAsync(pr->workspace, 0, (size_t)n_value * 4, stream);
                 if (e == cudaSuccess && pr->B * pr->Q > 0)
-                    e = launch_kernels<T, false, false>(&buffered, stream, 0);
+                    e = launch_kernels<T, false>(&buffered, stream, 0);
                 if (e != cudaSuccess) return e;
                 half_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
                 return cudaSuccess;
             }
         }
-        if (pr->B * pr->Q == 0) {
-            if (pr->grad_value)
-                return cudaMemsetAsync(pr->grad_value, 0, (size_t)n_value * sizeof(T), stream);
-            return cudaSuccess;
-        }
-        return launch_kernels<T, false, true>(pr, stream, n_value * (int64_t)sizeof(T));
+        if (pr->B * pr->Q == 0) return memset_grad_value(pr, n_value * (int64_t)sizeof(T), stream);
+        return launch_kernels<T, false>(pr, stream, n_value * (int64_t)sizeof(T));
     }
     cudaError_t e = cudaMemsetAsync(pr->workspace, 0, MSDA_DET_HEADER_BYTES + (size_t)n_value * 8, stream);
     if (e != cudaSuccess) return e;
     det_scan_kernel<T><<<flat_blocks(pr->B * pr->Q * pr->H * pr->C), 256, 0, stream>>>(*pr);
-    e = launch_kernels<T, true, false>(pr, stream, 0);
+    e = launch_kernels<T, true>(pr, stream, 0);
     if (e != cudaSuccess) return e;
     det_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
     return cudaSuccess;
