@@ -320,6 +320,25 @@
  *      by band as msda_backward_fast computes them (its 31 us plus a band kernel of about
  *      20 us would be about 0.055 ms at dino_dec900), which needs per-band lists somewhere:
  *      the band's own grad_value rows could hold them until the band kernel overwrites them.
+ *   v42 v41 with those lists: a kernel of one block per (b, h) zeroes each band's count (the
+ *      first word of its first row), a kernel of one thread per point appends the point to
+ *      the list of every band its corners fall in (an atomic on the count; the list in the
+ *      band's own rows, nb * C - 1 entries at most, a band that overflows scans as in v41),
+ *      and the band kernel reads its list instead of scanning. Correct (tests/test_cuda.py,
+ *      test_cuda_paths.py and test_backward.py passed with it), but f32 ms, v40 alternated
+ *      twice in one session (H100):
+ *        dino_dec900 0.083 -> 0.109, rtdetr_dec_b8 0.105 -> 0.114, ddetr_dec 0.044 -> 0.066
+ *      torch.profiler (dino_dec900 / rtdetr_dec_b8): count zeroing 3.1 / 2.9 us, binning
+ *      16.2 / 14.6 us (a coarse band's ~1900 appends all go through one counter), the
+ *      loads-only msda_backward_fast 30.6 / 32.2 us, the band kernel 50.5 / 59.5 us: each
+ *      block is a chain of about eight dependent global round trips (plan, count, list,
+ *      geometry, sort, grad_output, write) and 4 blocks fit a multiprocessor (48 KB of
+ *      shared memory), so the 2300-odd blocks run in 4-5 waves of that latency. Not shipped.
+ *      What is left of the idea: msda_backward_fast alone takes half of the 0.060 ms target
+ *      and grad_value's single write another 14 us at DRAM speed, so a gather pays only if
+ *      the band kernel also takes over the point gradients (the band's value rows loaded once
+ *      into shared memory, 41 MB in all instead of msda_backward_fast's 118 MB of gathers,
+ *      with partial point gradients combined across bands).
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
