@@ -555,9 +555,13 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 #endif
 #define MSDA_BWD_RESIDENT_BLOCKS 5 /* blocks per multiprocessor the host plans with */
 #define MSDA_BWD_MAX_SLICES 8
-template <typename T, int G, bool DET, bool OPT>
+/* SPLIT (v43; plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
+ * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
+ * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
+template <typename T, int G, bool DET, bool OPT, bool SPLIT = false>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr int V = 4;
+    static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
@@ -625,7 +629,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 for (int c = 0; c < 4; c++) {
                     if (o[c] >= 0) {
                         if (point_grads) load_vec(value + (unsigned)o[c], v[c]);
-                        if (grad_value) {
+                        if (!SPLIT && grad_value) {
                             if (DET) { /* lanes of a group on consecutive 8-byte words */
 #pragma unroll
                                 for (int j = 0; j < V; j++)
@@ -659,6 +663,26 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                  * of a point outside must leave its zero gradients zero, as on the CPU). */
                 const bool hit = o[0] >= 0 || o[1] >= 0 || o[2] >= 0 || o[3] >= 0;
                 if (g == 0) s_sums[local * St::STRIDE + k] = make_float4(s_a, s_x, s_y, hit ? 1.f : 0.f);
+            }
+            if (SPLIT && grad_value) { /* the scatter, once grad_value is zero */
+                grid_dep_wait();
+                for (int k = 0; k < kn; k++) {
+                    const int4 o4 = s_offs[local * St::STRIDE + k];
+                    const float4 geo = s_geo[local * St::STRIDE + k];
+                    const float a = geo.x, fx = geo.y, fy = geo.z;
+                    const float w[4] = {(1.f - fx) * (1.f - fy), fx * (1.f - fy), (1.f - fx) * fy,
+                                        fx * fy};
+                    const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        if (o[c] < 0) continue;
+                        float contrib[V];
+#pragma unroll
+                        for (int j = 0; j < V; j++) contrib[j] = a * w[c] * go[j];
+                        if constexpr (NATIVE) red_half<T, V>(grad_value_t + (unsigned)o[c], contrib);
+                        else atomic_add_vec<V>(grad_value + (unsigned)o[c], contrib);
+                    }
+                }
             }
             if (point_grads) {
                 __syncthreads();
@@ -1371,6 +1395,11 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
             return zero_then_launch(msda_backward_agg<T, G, false, DET, false>, grid, bytes, pr,
                                     stream);
         }
+    }
+    if constexpr (!DET) { /* v43: sliced points overlap their loads with the zeroing */
+        if (grid.y > 1 && !opt)
+            return zero_then_launch(msda_backward_fast<T, G, false, false, true>, grid, bytes,
+                                    pr, stream);
     }
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
