@@ -339,6 +339,24 @@
  *      the band kernel also takes over the point gradients (the band's value rows loaded once
  *      into shared memory, 41 MB in all instead of msda_backward_fast's 118 MB of gathers,
  *      with partial point gradients combined across bands).
+ *   v43 v22 again, with v39's 64-thread zero_kernel: msda_backward_fast's chunk split into its
+ *      loads and point gradients, then (after griddepcontrol.wait) its scatter, launched as
+ *      zero_kernel's programmatic dependent. ms, alternated twice with v40 in one session
+ *      (H100), f32 / bf16:
+ *        dino_dec900     0.083 / 0.052 -> 0.089 / 0.056
+ *        rtdetr_dec_b8   0.105 / 0.062 -> 0.103 / 0.062
+ *        ddetr_dec       0.044 / 0.029 -> 0.043 / 0.026
+ *      Split everywhere but with the dependent launch only where the points are sliced
+ *      (gridDim.y > 1, point_slices: ddetr_dec), cudaMemsetAsync elsewhere: dino_dec900 0.087
+ *      / 0.054, rtdetr_dec_b8 0.106 / 0.063, ddetr_dec 0.043 / 0.026 (v40 0.084 / 0.052,
+ *      0.105 / 0.062, 0.044 / 0.029 in the same session): the split alone costs 4% where all
+ *      blocks are resident at once (dino_dec900), whose loads and atomics no longer overlap
+ *      within a block. Shipped: the split kernel (SPLIT) and the dependent launch for sliced
+ *      grids of plain problems only, every other kernel's machine code unchanged (compared
+ *      with cuobjdump); on another machine start, alternated twice, f32 / bf16 / f16 ms:
+ *        ddetr_dec       0.0438 / 0.0297 / 0.0292 -> 0.0423 / 0.0292 / 0.0292
+ *        dino_dec900     0.0834 / 0.0523 / 0.0516 -> 0.0836 / 0.0524 / 0.0514 (same kernels)
+ *      The half types' gain at ddetr_dec (12% in the first session) did not repeat there.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
