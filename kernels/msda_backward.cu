@@ -20,8 +20,9 @@
  *   block then writes the location and weight gradients coalesced, one thread per point.
  *   Generic path (f64, other C, unaligned pointers): one warp per (b, q, h), lane j owns channels
  *   j, j+32, ...; warp-shuffle sums written by lane 0.
- *   grad_value is zeroed on the same stream first (cudaMemsetAsync; for the aggregated kernel
- *   with sm_90 code, zero_kernel and a programmatic dependent launch, v39); it is the only
+ *   grad_value is zeroed on the same stream first (cudaMemsetAsync; with sm_90 code, for the
+ *   aggregated kernel and for the plain per-point kernel with sliced points, zero_kernel and a
+ *   programmatic dependent launch, v39 and v43); it is the only
  *   output written with atomics (so its summation order, and its last bits, vary from run to
  *   run).
  * Options (both paths): per-level point counts (level of a point from pr.point_start), nearest
