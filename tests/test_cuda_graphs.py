@@ -92,14 +92,22 @@ def test_graph_replay_of_forward_and_backward_matches_eager(generator, shape_tab
             assert rel_l2(grad, e) < 1e-5, name
 
 
+# (shapes, queries, points per level): an encoder-like problem (Q * NP >= 2 * S) takes the
+# aggregated backward; a small decoder-like one the per-point backward with each item's 8 points
+# sliced over two blocks (grid.y = 2).
+ZEROED_PROBLEMS = {"aggregated": ([(6, 8), (3, 4)], 60, 2),
+                   "sliced": ([(12, 16), (6, 8)], 20, 4)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_graph_replay_of_the_aggregated_backward_matches_eager(generator, dtype):
-    # An encoder-like problem (Q * NP >= 2 * S, C = 32) takes the aggregated backward, which on
-    # sm_90 is launched as the programmatic dependent of the kernel that zeroes grad_value: the
-    # captured graph must keep that pair, zeroing grad_value again on every replay.
-    shapes = [(6, 8), (3, 4)]
-    case = dict(batch=2, queries=60, heads=2, channels=32, shapes=shapes, points=2, dtype=dtype,
-                device="cuda", kink_free=True)
+@pytest.mark.parametrize("problem", list(ZEROED_PROBLEMS))
+def test_graph_replay_of_the_dependent_backward_matches_eager(generator, problem, dtype):
+    # Both backwards are launched on sm_90 as the programmatic dependent of the kernel that
+    # zeroes grad_value: the captured graph must keep that pair, zeroing grad_value again on
+    # every replay.
+    shapes, queries, points = ZEROED_PROBLEMS[problem]
+    case = dict(batch=2, queries=queries, heads=2, channels=32, shapes=shapes, points=points,
+                dtype=dtype, device="cuda", kink_free=True)
     tables = (shapes, None)
     step = CapturedStep(make_inputs(generator, **case), tables, {})
     for _ in range(3):

@@ -139,6 +139,8 @@ def test_location_gradient_takes_the_cell_of_the_exact_coordinate(generator, cha
 TILED_SHAPES = [(18, 19), (4, 8), (3, 5)]
 AGG_CASES = {"dense": ([(4, 5), (3, 3), (2, 2)], 300), "spread": ([(16, 20), (8, 10), (3, 3)], 400),
              "decoder": ([(4, 5), (3, 3), (2, 2)], 5),
+             # 4 points a level: an item's 12 points sliced over 3 blocks (msda_backward.cu v43)
+             "sliced": ([(4, 5), (3, 3), (2, 2)], 5, 4),
              "tiled": (TILED_SHAPES, sum(h * w for h, w in TILED_SHAPES))}
 AGG_FEATURES = {"plain": (None, "bilinear", False), "counts": ([3, 0, 2], "bilinear", False),
                 "nearest": (None, "nearest", False), "softmax": (None, "bilinear", True),
@@ -147,10 +149,10 @@ AGG_FEATURES = {"plain": (None, "bilinear", False), "counts": ([3, 0, 2], "bilin
 
 def agg_inputs(generator, case, feature, dtype, channels):
     """Inputs, op options and oracle options of an AGG_CASES case with an AGG_FEATURES feature."""
-    shapes, queries = AGG_CASES[case]
+    shapes, queries, *per_level = AGG_CASES[case]
     num_points_list, sampling, softmax = AGG_FEATURES[feature]
-    counts = num_points_list or [2] * len(shapes)
-    assert (queries * sum(counts) >= 2 * flat_size(shapes)) == (case != "decoder")
+    counts = num_points_list or [per_level[0] if per_level else 2] * len(shapes)
+    assert (queries * sum(counts) >= 2 * flat_size(shapes)) == (case not in ("decoder", "sliced"))
     inputs = make_point_inputs(generator, 2, queries, 3, channels, shapes, counts, dtype=dtype,
                                device="cuda", logits=softmax)
     if num_points_list is None:  # the plain (B, Q, H, L, P, ...) layout
@@ -210,12 +212,12 @@ def test_aggregated_and_per_point_backward_match_f64_oracle(generator, dtype, ch
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", ["spread", "tiled", "decoder"])
+@pytest.mark.parametrize("case", ["spread", "tiled", "decoder", "sliced"])
 def test_grad_value_is_zeroed_whatever_its_memory_held(generator, monkeypatch, case, dtype,
                                                       deterministic):
     # grad_value comes from new_empty; the library zeroes it on the stream before scattering
-    # (cudaMemsetAsync, or zero_kernel with the aggregated kernel as its programmatic
-    # dependent). Here new_empty hands out memory full of NaN: an element left unzeroed stays
+    # (cudaMemsetAsync, or zero_kernel with the aggregated kernel, or the per-point kernel of
+    # sliced points ("decoder"), as its programmatic dependent). Here new_empty hands out memory full of NaN: an element left unzeroed stays
     # NaN, and the value rows no point touches must come out exactly 0.
     inputs, options, oracle_opts = agg_inputs(generator, case, "plain", dtype, 32)
     poisoned = []
