@@ -574,6 +574,37 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 #endif
 #define MSDA_BWD_RESIDENT_BLOCKS 5 /* blocks per multiprocessor the host plans with */
 #define MSDA_BWD_MAX_SLICES 8
+/* Staged point k of item `local` (stage_chunk, backward form): its corners' offsets (-1:
+ * outside), attention weight A, in-cell fraction and bilinear weights. */
+struct StagedPoint {
+    int o[4];
+    float a, fx, fy, w[4];
+};
+template <typename St>
+__device__ __forceinline__ StagedPoint staged_point(const int4 *s_offs, const float4 *s_geo,
+                                                    int local, int k) {
+    const int4 o4 = s_offs[local * St::STRIDE + k];
+    const float4 geo = s_geo[local * St::STRIDE + k];
+    const float fx = geo.y, fy = geo.z;
+    return {{o4.x, o4.y, o4.z, o4.w},
+            geo.x,
+            fx,
+            fy,
+            {(1.f - fx) * (1.f - fy), fx * (1.f - fy), (1.f - fx) * fy, fx * fy}};
+}
+
+/* grad_value[corner] += coef * go over a thread's V channels: half-precision vector atomics
+ * into grad_value itself (NATIVE) or 16-byte f32 ones. */
+template <typename T, bool NATIVE, int V>
+__device__ __forceinline__ void scatter_corner(float *grad_value, T *grad_value_t, unsigned off,
+                                               float coef, const float (&go)[V]) {
+    float contrib[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) contrib[j] = coef * go[j];
+    if constexpr (NATIVE) red_half<T, V>(grad_value_t + off, contrib);
+    else atomic_add_vec<V>(grad_value + off, contrib);
+}
+
 /* SPLIT (v43; plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
  * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
  * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
@@ -637,12 +668,10 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */
             for (int k = 0; k < kn; k++) {
-                const int4 o4 = s_offs[local * St::STRIDE + k];
-                const float4 geo = s_geo[local * St::STRIDE + k];
-                const float a = geo.x, fx = geo.y, fy = geo.z;
-                const float w[4] = {(1.f - fx) * (1.f - fy), fx * (1.f - fy), (1.f - fx) * fy,
-                                    fx * fy};
-                const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+                const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
+                const float a = pt.a, fx = pt.fx, fy = pt.fy;
+                const float(&w)[4] = pt.w;
+                const int(&o)[4] = pt.o;
                 float v[4][V];
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
@@ -654,11 +683,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                                 for (int j = 0; j < V; j++)
                                     det_add(det_acc + (unsigned)o[c] + j * G, a * w[c] * go_det[j], scale);
                             } else {
-                                float contrib[V];
-#pragma unroll
-                                for (int j = 0; j < V; j++) contrib[j] = a * w[c] * go[j];
-                                if constexpr (NATIVE) red_half<T, V>(grad_value_t + (unsigned)o[c], contrib);
-                                else atomic_add_vec<V>(grad_value + (unsigned)o[c], contrib);
+                                scatter_corner<T, NATIVE, V>(grad_value, grad_value_t, (unsigned)o[c],
+                                                             a * w[c], go);
                             }
                         }
                     } else {
@@ -686,21 +712,12 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             if (SPLIT && grad_value) { /* the scatter, once grad_value is zero */
                 grid_dep_wait();
                 for (int k = 0; k < kn; k++) {
-                    const int4 o4 = s_offs[local * St::STRIDE + k];
-                    const float4 geo = s_geo[local * St::STRIDE + k];
-                    const float a = geo.x, fx = geo.y, fy = geo.z;
-                    const float w[4] = {(1.f - fx) * (1.f - fy), fx * (1.f - fy), (1.f - fx) * fy,
-                                        fx * fy};
-                    const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+                    const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        if (o[c] < 0) continue;
-                        float contrib[V];
-#pragma unroll
-                        for (int j = 0; j < V; j++) contrib[j] = a * w[c] * go[j];
-                        if constexpr (NATIVE) red_half<T, V>(grad_value_t + (unsigned)o[c], contrib);
-                        else atomic_add_vec<V>(grad_value + (unsigned)o[c], contrib);
-                    }
+                    for (int c = 0; c < 4; c++)
+                        if (pt.o[c] >= 0)
+                            scatter_corner<T, NATIVE, V>(grad_value, grad_value_t, (unsigned)pt.o[c],
+                                                         pt.a * pt.w[c], go);
                 }
             }
             if (point_grads) {
