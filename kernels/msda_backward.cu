@@ -358,6 +358,36 @@
  *        ddetr_dec       0.0438 / 0.0297 / 0.0292 -> 0.0423 / 0.0292 / 0.0292
  *        dino_dec900     0.0834 / 0.0523 / 0.0516 -> 0.0836 / 0.0524 / 0.0514 (same kernels)
  *      The half types' gain at ddetr_dec (12% in the first session) did not repeat there.
+ *   v44 (decoders, f32) grad_value gathered by a single kernel that also computes the point
+ *      gradients: a block owns a band of up to 256 value positions of one (b, h) and one level
+ *      (sized on the device from the level table, about 128 points of the level per band, so
+ *      dense coarse levels get short bands), scans that level's Q * P locations, lists the
+ *      points with a corner in the band or whose clamped cell lies in it (those it computes the
+ *      point gradients of, so each point is written by one block), and writes its grad_value
+ *      rows once, zeros included: no memset and no global atomics; a level table that does not
+ *      tile [0, S) falls back to bands of 256 positions scanning every level. Correct (tests/
+ *      test_cuda_paths.py, test_cuda.py, test_backward.py, test_reliability.py passed with each
+ *      form; grad_value f32 error 9.1e-8 vs 9.4e-8), but f32 ms, 4d8c5bc's library alternated
+ *      twice in one session (H100), dino_dec900 / rtdetr_dec_b8 / ddetr_dec:
+ *        v43                                            0.083 / 0.105 / 0.042
+ *        sums in a 32 KB shared tile (float atomicAdd)  0.208 / 0.149 / 0.082
+ *        scan in batches of 1024 points, a row pre-test,
+ *          locations kept in the list (80 registers)    0.242 / 0.179 / 0.097
+ *          the same capped at 64 registers (spills)     0.254 / 0.188 / 0.101
+ *        no tile: the band's corners sorted by row (counting sort, integer shared atomics),
+ *          each row summed by its G lanes and written once (64 registers, spills)
+ *                                                       0.218 / 0.152 / 0.083
+ *          the same with 100 registers                  0.268 / 0.192 / 0.100
+ *      On sm_90 a shared-memory float atomicAdd is a compare-and-swap loop (ATOMS.CAST.SPIN),
+ *      hence the row sort; but the kernel is bound by instructions, not by memory: ncu, row-sort
+ *      form, dino_dec900: 264 us, 106 M warp instructions, issue slots 48% busy, L2 28%, against
+ *      v43's msda_backward_fast at 62.7 us, 16.8 M instructions, L2 70%. Of the 106 M, the scan
+ *      42% (every band rescans its level: each location is read and tested by 36 blocks on
+ *      average), the point gradients 24% (1.7 listed entries a point, rounds over all of them
+ *      with only the owners working), the row sums 13%, the band plan computed by every thread
+ *      9%. Even without the scan and the plan, the gather would execute about three times the
+ *      per-point kernel's instructions. Not shipped; with v41 and v42 the third gather that
+ *      loses to zeroing and scattering on this GPU.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
