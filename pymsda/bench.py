@@ -355,36 +355,52 @@ def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, c
     each loop timed to a synchronisation after its last call (on CUDA). As timeit does, the
     garbage collector is off while a loop runs (collect=True leaves it on): a collection then
     walks every object of the process, torch's included, and would bill its pause to whichever
-    call happens to trigger it."""
+    call happens to trigger it. "torch_add_us" times one torch op, `value.add(1)` (an
+    allocation and a kernel launch), in the same way: the host's own speed, which varies between
+    machines and machine starts more than the op's code does."""
     spec = {"B": 1, "levels": [[4, 4]], "Q": 1, "H": 1, "C": 4, "P": 1}
     inputs = make_inputs(spec, torch.float32, device)
     result = {"calls": calls, "rounds": rounds}
+
+    def per_call_us(call):
+        for _ in range(warmup):
+            call()
+        per_call = []
+        gc_was_on = gc.isenabled()
+        for _ in range(rounds):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if not collect:
+                gc.disable()
+            try:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                per_call.append((time.perf_counter() - start) / calls * 1e6)
+            finally:
+                if gc_was_on:
+                    gc.enable()
+        return statistics.median(per_call)
+
     for impl in ("pymsda", "reference") if reference else ("pymsda",):
         op = IMPLEMENTATIONS[impl]
         for mode in ("plain", "requires_grad"):
             args = [inputs[k].detach().requires_grad_(mode == "requires_grad")
                     for k in ("value", "sampling_locations", "attention_weights")]
-            for _ in range(warmup):
-                op(args[0], inputs["spatial_shapes"], args[1], args[2])
-            per_call = []
-            gc_was_on = gc.isenabled()
-            for _ in range(rounds):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if not collect:
-                    gc.disable()
-                try:
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        op(args[0], inputs["spatial_shapes"], args[1], args[2])
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    per_call.append((time.perf_counter() - start) / calls * 1e6)
-                finally:
-                    if gc_was_on:
-                        gc.enable()
-            result[f"{impl}_{mode}_us"] = statistics.median(per_call)
+            result[f"{impl}_{mode}_us"] = per_call_us(
+                lambda: op(args[0], inputs["spatial_shapes"], args[1], args[2]))
+    value = inputs["value"]
+    result["torch_add_us"] = per_call_us(lambda: value.add(1))
     return result
+
+
+def _overhead_label(key):
+    """"pymsda_plain_us" -> "pymsda plain"; the calibration op by what it runs."""
+    if key == "torch_add_us":
+        return "torch value.add(1)"
+    return key[:-3].replace("_", " ", 1)
 
 
 def _time_pass(input_sets, pass_name, reps, device, warmup, reference, op=_pymsda):
@@ -484,7 +500,7 @@ def format_table(result):
                     f"{overhead.get('rounds', 1)} x {overhead['calls']} calls):")
         for key, us in overhead.items():
             if key.endswith("_us"):
-                text.append(f"  {key[:-3].replace('_', ' ', 1):26s} {us:8.1f} us")
+                text.append(f"  {_overhead_label(key):26s} {us:8.1f} us")
     return "\n".join(text)
 
 
@@ -526,7 +542,7 @@ def format_markdown(result):
                   f"{overhead.get('rounds', 1)} x {overhead['calls']} calls):", ""]
         for key, us in overhead.items():
             if key.endswith("_us"):
-                lines.append(f"- {key[:-3].replace('_', ' ', 1)}: {us:.1f} us")
+                lines.append(f"- {_overhead_label(key)}: {us:.1f} us")
     return "\n".join(lines) + "\n"
 
 
