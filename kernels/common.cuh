@@ -286,6 +286,10 @@ static inline unsigned int warp_blocks(int64_t items) {
 template <typename T> struct HasFast { static constexpr bool value = true; };
 template <> struct HasFast<double> { static constexpr bool value = false; };
 
+__device__ __forceinline__ void load_vec(const float *p, float (&v)[2]) {
+    const float2 u = __ldg(reinterpret_cast<const float2 *>(p));
+    v[0] = u.x, v[1] = u.y;
+}
 __device__ __forceinline__ void load_vec(const float *p, float (&v)[4]) {
     const float4 u = __ldg(reinterpret_cast<const float4 *>(p));
     v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;

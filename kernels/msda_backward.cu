@@ -388,6 +388,18 @@
  *      9%. Even without the scan and the plan, the gather would execute about three times the
  *      per-point kernel's instructions. Not shipped; with v41 and v42 the third gather that
  *      loses to zeroing and scattering on this GPU.
+ *   v45 (decoders, f32) msda_backward_fast with 2 channels a thread (G = C / 2: 16 lanes an
+ *      item at C = 32, 8-byte loads and red.global.add.v2.f32 atomics, twice the warps; ncu of
+ *      v43 at dino_dec900: 42% achieved occupancy, 0.59 eligible warps a scheduler, L2 70%).
+ *      f32 ms, 4d8c5bc's library alternated twice in one session (H100), dino_dec900 /
+ *      rtdetr_dec_b8 / ddetr_dec:
+ *        v43                                     0.0833-0.0840 / 0.1045 / 0.0423-0.0425
+ *        2 channels everywhere (sliced too)      0.0834 / 0.1007-0.1008 / 0.0433-0.0436
+ *        2 channels where the points are not sliced (ddetr_dec keeps v43's split kernel)
+ *                                                0.0837-0.0838 / 0.1010 / 0.0423-0.0425
+ *      dino_dec900 is bound by the L2 (same bytes either way); rtdetr_dec_b8 gains 3% (one v43
+ *      ddetr_dec time of that run read 0.36 ms, a one-off left out above). <- shipped
+ *      (plain f32 decoders with unsliced points; half types and the options keep 4 channels)
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -576,14 +588,22 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
 }
 
 template <int V> __device__ __forceinline__ void atomic_add_vec(float *p, const float (&v)[V]) {
-#pragma unroll
-    for (int j = 0; j < V; j += 4) {
+    if constexpr (V == 2) { /* 8 bytes (v45) */
 #if __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float4 *>(p + j), make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]));
+        atomicAdd(reinterpret_cast<float2 *>(p), make_float2(v[0], v[1]));
 #else
-        atomicAdd(p + j, v[j]), atomicAdd(p + j + 1, v[j + 1]);
-        atomicAdd(p + j + 2, v[j + 2]), atomicAdd(p + j + 3, v[j + 3]);
+        atomicAdd(p, v[0]), atomicAdd(p + 1, v[1]);
 #endif
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float4 *>(p + j), make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]));
+#else
+            atomicAdd(p + j, v[j]), atomicAdd(p + j + 1, v[j + 1]);
+            atomicAdd(p + j + 2, v[j + 2]), atomicAdd(p + j + 3, v[j + 3]);
+#endif
+        }
     }
 }
 
@@ -596,7 +616,9 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 
 /* 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the pieces of
  * a group contiguous (8 half channels per thread left a warp's atomics half-filling twice as many
- * sectors). 5 blocks per multiprocessor: the register cap costs no spills (sm_75 holds 4). */
+ * sectors); plain f32 decoders with unsliced points 2 (VV = 2, G = C / 2: 8-byte loads and
+ * atomics, twice the warps; v45). 5 blocks per multiprocessor: the register cap costs no spills
+ * (sm_75 holds 4). */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MSDA_BWD_MIN_BLOCKS 4
 #else
@@ -638,9 +660,9 @@ __device__ __forceinline__ void scatter_corner(float *grad_value, T *grad_value_
 /* SPLIT (v43; plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
  * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
  * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
-template <typename T, int G, bool DET, bool OPT, bool SPLIT = false>
+template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
-    constexpr int V = 4;
+    constexpr int V = VV;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
@@ -1460,6 +1482,18 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
             }
             return zero_then_launch(msda_backward_agg<T, G, false, DET, false>, grid, bytes, pr,
                                     stream);
+        }
+    }
+    if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
+        /* v45: plain f32 decoders whose points are not sliced take 2 channels a thread (twice
+         * the threads, 8-byte loads and atomics) */
+        if (!opt && grid.y == 1 && !aggregates(pr)) {
+            const unsigned int blocks2 = item_blocks(pr->B * pr->Q * pr->H, 256 / (2 * G));
+            const dim3 grid2(blocks2, point_slices(pr, blocks2));
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
+            if (e != cudaSuccess) return e;
+            msda_backward_fast<T, 2 * G, false, false, false, 2><<<grid2, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
         }
     }
     if constexpr (!DET) { /* v43: sliced points overlap their loads with the zeroing */
