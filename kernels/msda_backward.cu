@@ -1484,18 +1484,6 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
                                     stream);
         }
     }
-    if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
-        /* v45: plain f32 decoders whose points are not sliced take 2 channels a thread (twice
-         * the threads, 8-byte loads and atomics) */
-        if (!opt && grid.y == 1 && !aggregates(pr)) {
-            const unsigned int blocks2 = item_blocks(pr->B * pr->Q * pr->H, 256 / (2 * G));
-            const dim3 grid2(blocks2, point_slices(pr, blocks2));
-            const cudaError_t e = memset_grad_value(pr, bytes, stream);
-            if (e != cudaSuccess) return e;
-            msda_backward_fast<T, 2 * G, false, false, false, 2><<<grid2, 256, 0, stream>>>(*pr);
-            return cudaSuccess;
-        }
-    }
     if constexpr (!DET) { /* v43: sliced points overlap their loads with the zeroing */
         if (grid.y > 1 && !opt)
             return zero_then_launch(msda_backward_fast<T, G, false, false, true>, grid, bytes,
@@ -1503,6 +1491,16 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
     }
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
+    if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
+        /* v45: plain f32 decoders whose points are not sliced take 2 channels a thread (twice
+         * the threads, 8-byte loads and atomics) */
+        if (!opt && grid.y == 1 && !aggregates(pr)) {
+            const unsigned int blocks2 = item_blocks(pr->B * pr->Q * pr->H, 256 / (2 * G));
+            const dim3 grid2(blocks2, point_slices(pr, blocks2));
+            msda_backward_fast<T, 2 * G, false, false, false, 2><<<grid2, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        }
+    }
     if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
     else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
     return cudaSuccess;
