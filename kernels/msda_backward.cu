@@ -400,6 +400,33 @@
  *      dino_dec900 is bound by the L2 (same bytes either way); rtdetr_dec_b8 gains 3% (one v43
  *      ddetr_dec time of that run read 0.36 ms, a one-off left out above). <- shipped
  *      (plain f32 decoders with unsliced points; half types and the options keep 4 channels)
+ *   v46 (decoders, f32) the coarse levels' grad_value rows summed in shared memory: the last
+ *      levels whose rows of one (b, h) fit a block (<= 128 KB, R * C * 4 bytes) and are sampled
+ *      densely (>= 8 corners a row and (b, h): dino_dec900's levels 2 and 3, 15 and 58 corners
+ *      a row; rtdetr_dec_b8's level 2, 12) went to a kernel of one block per (b, h, level,
+ *      chunk of queries) that added each corner's share into its rows in shared memory (lane g
+ *      of a warp's i-th group on channel 4g + (k + i) % 4, so no bank conflicts) and the rows
+ *      into grad_value once per block with 16-byte atomics; msda_backward_fast took only the
+ *      points of the levels before them (the cut computed by every block from the level
+ *      table). Correct (gradients against f64 within 2.3e-7 on seven decoder shapes: C = 16,
+ *      32, 64, points outside, every level coarse, a 1 x 1 level). torch.profiler on an H200,
+ *      us, dino_dec900 / rtdetr_dec_b8:
+ *        v45                        zeroing 9.6 / 16.1, msda_backward_fast 56.3 / 60.0
+ *                                   (bench 0.071 / 0.082 ms)
+ *        v46, float atomicAdd into shared memory, 256 threads, 128 KB a block:
+ *                                   msda_backward_fast 37.4 / 47.4, coarse 120.8 / 63.1
+ *        the 16 sums of a point read, added and swapped at once (atomicCAS, atomicAdd only
+ *          for a lost race), 512 threads, levels <= 32 KB in a launch of 32 KB blocks:
+ *                                   37.6 / 47.9, coarse 80.5 / 51.6 (bench 0.131 / 0.123 ms)
+ *        the same at 64 registers (224 bytes of spills): coarse 112.1 / 75.8
+ *      On sm_90 a float atomicAdd to shared memory is a compare-and-swap loop (ATOMS.CAST.SPIN)
+ *      and consecutive ones run one after another; the coarse blocks (124 registers, up to 128
+ *      KB) run one a multiprocessor, each point a chain of dependent round trips. The split
+ *      cannot reach the targets even with a free coarse kernel: the coarse levels are half the
+ *      points but a third of msda_backward_fast's time (their rows are reused in L1 and L2), and
+ *      zeroing + the fine levels + the ~6 us the bench adds would be about 53 / 70 us on the
+ *      H200 (0.75x / 0.84x of v45), about 0.062 / 0.086 ms scaled to the H100's v45 (targets
+ *      0.060 / 0.070). Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
