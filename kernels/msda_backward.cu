@@ -427,6 +427,15 @@
  *      zeroing + the fine levels + the ~6 us the bench adds would be about 53 / 70 us on the
  *      H200 (0.75x / 0.84x of v45), about 0.062 / 0.086 ms scaled to the H100's v45 (targets
  *      0.060 / 0.070). Not shipped.
+ *   v47 (decoders) grad_value zeroed and scattered one slice of batches at a time (each slice's
+ *      zeroing, then the backward kernels on that slice, so the zeroed lines would still sit in
+ *      the L2 when the atomics reach them). ncu of v45's msda_backward_fast (H100): dino_dec900
+ *      64.1 us, DRAM 52 MB read and 9.2 MB written (28.5% of its peak), L2 69% busy;
+ *      rtdetr_dec_b8 66.2 us, DRAM 68 + 17 MB (38%), L2 70%: the L2, not DRAM, bounds it, and
+ *      smaller slices only make smaller grids. Bench f32 ms, dino_dec900 / rtdetr_dec_b8: H200,
+ *      v45 0.072 / 0.084, slices of 12 MB of value (one batch each) 0.077 / 0.158, of 24 MB
+ *      (one / two batches) 0.077 / 0.101 (bf16 0.048 / 0.053 -> 0.048 / 0.071); H100, v45 0.083
+ *      / 0.101, 24 MB slices 0.086 / 0.110 (alternated twice). Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
