@@ -287,6 +287,124 @@ def test_aggregated_backward_point_gradients_are_bitwise_repeatable(generator, c
                 assert torch.equal(a, b), name
 
 
+# ---- decoders' backward at its edges --------------------------------------------------------------
+#
+# Decoder-like problems (Q * NP < 2 * S) take the per-point backward, f32 at C = 32 with 2
+# channels a thread (msda_backward.cu v45). Its gradients against the oracle where points crowd,
+# spread or leave the maps: "plain", a decoder with points outside the maps; "crowded", every
+# point of a head within a pixel or two (hundreds of corners on one value row); "wide", levels
+# wider than 1536 pixels; "tiny", 1 x 1, 1 x N and N x 1 levels and one query; "skewed", most
+# points on one level's last row and past its right edge. A gather of grad_value by tiles of
+# value rows was measured for these problems and not shipped (kernels/tried/
+# backward_tiles_t2.patch, msda_backward.cu v48); these cases were written for it.
+DECODER_CASES = {
+    "plain": (2, 60, 3, [(20, 30), (10, 15), (5, 8), (3, 4)], 4),
+    "crowded": (1, 400, 2, [(32, 32)], 4),
+    "wide": (1, 50, 2, [(2, 2000), (3, 700)], 2),
+    "tiny": (3, 1, 1, [(1, 1), (1, 7), (5, 1)], 3),
+    "skewed": (2, 90, 2, [(12, 40), (6, 20)], 3),
+}
+
+
+def decoder_inputs(generator, case):
+    batch, queries, heads, shapes, points = DECODER_CASES[case]
+    assert queries * len(shapes) * points < 2 * flat_size(shapes)  # a decoder: not aggregated
+    inputs = make_inputs(generator, batch=batch, queries=queries, heads=heads, channels=32,
+                         shapes=shapes, points=points, dtype=torch.float32, device="cuda",
+                         loc_low=-0.15, loc_high=1.15)
+    loc = inputs["sampling_locations"]
+    if case == "crowded":  # within a pixel of the map's centre
+        loc = 0.5 + (loc - 0.5) * 0.05
+    elif case == "skewed":  # level 0: most points on its last row and outside the right edge
+        loc = loc.clone()
+        loc[:, :, :, 0, :, 1] = loc[:, :, :, 0, :, 1] * 0.05 + 0.97
+        loc[:, ::3, :, 0, :, 0] += 0.3
+    return dict(inputs, sampling_locations=loc.contiguous())
+
+
+@pytest.mark.parametrize("wanted", ["all", "value", "value_loc"])
+@pytest.mark.parametrize("case", list(DECODER_CASES))
+def test_decoder_backward_matches_f64_oracle_where_points_crowd_or_leave(generator, case, wanted):
+    inputs = decoder_inputs(generator, case)
+    names = {"all": GRAD_NAMES, "value": ("value",),
+             "value_loc": ("value", "sampling_locations")}[wanted]
+    leaves = {k: inputs[k].detach().clone().requires_grad_(k in names) for k in GRAD_NAMES}
+    out = run_msda(inputs, **leaves)
+    grad_output = random_grad_output(generator, out)
+    out.backward(grad_output)
+    expected = oracle_backward(inputs, grad_output)
+    for name, e in zip(GRAD_NAMES, expected):
+        if name in names:
+            assert rel_l2(leaves[name].grad, e) < 1e-5, name
+    # rows no corner touches are exactly zero
+    assert not leaves["value"].grad[torch.as_tensor(expected[0]) == 0].any()
+
+
+@pytest.mark.parametrize("loc", [(float("nan"), 0.5), (0.5, float("inf")), (-0.5, 0.5),
+                                 (0.0, 0.0), (1.0, 1.0), (0.5, 1.0 + 1e-3)],
+                         ids=["nan", "inf", "left_of_map", "top_left_edge", "bottom_right_edge",
+                              "below_map"])
+def test_decoder_backward_points_on_and_off_the_edges(generator, loc):
+    # Every seventh query's second point moved onto an edge, off the map or to a non-finite
+    # location: points with no corner inside get zero location and weight gradients and add
+    # nothing to grad_value; points on an edge keep the corners they have.
+    inputs = decoder_inputs(generator, "plain")
+    bad = inputs["sampling_locations"].clone()
+    bad[:, ::7, :, :, 1] = torch.tensor(loc, device="cuda")
+    inputs = dict(inputs, sampling_locations=bad)
+    finite = torch.isfinite(bad).all(-1)
+    safe = dict(inputs, sampling_locations=torch.where(finite[..., None], bad, 0.5),
+                attention_weights=inputs["attention_weights"] * finite)
+    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+    out = run_msda(inputs, **leaves)
+    grad_output = random_grad_output(generator, out)
+    out.backward(grad_output)
+    expected = oracle_backward(safe, grad_output)
+    expected[1][~finite.cpu().numpy()] = 0
+    expected[2][~finite.cpu().numpy()] = 0
+    for name, e in zip(GRAD_NAMES, expected):
+        assert rel_l2(leaves[name].grad, e) < 1e-5, name
+    assert not leaves["sampling_locations"].grad[~finite].any()
+    assert not leaves["attention_weights"].grad[~finite].any()
+
+
+# Device tables that do not cover [0, S) level after level (overlapping or shifted levels, sums
+# short of S): the CUDA kernels read them unchecked (no synchronisation) and bounds-check every
+# corner. Where sides and starts stay inside what the fast kernels accept, they compute the same
+# corners as the C library's CPU kernels (a corner counts when it is inside its level and its
+# position inside [0, S)), so the gradients must agree, not merely stay finite.
+LYING_DECODER_TABLES = [
+    ([(20, 30), (10, 15)], [0, 500], 750),   # levels overlap
+    ([(20, 30), (10, 15)], [150, 0], 750),   # out of order, overlapping
+    ([(20, 30), (10, 15)], [0, 600], 900),   # short of S: rows no level reaches
+    ([(20, 30), (10, 15)], [0, 700], 760),   # level 1 runs past S
+]
+
+
+@pytest.mark.parametrize("shapes,starts,S", LYING_DECODER_TABLES,
+                         ids=["overlap", "unordered", "short", "past_S"])
+def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
+        generator, shapes, starts, S):
+    from pymsda import _lib
+    B, Q, H, C, L, P = 2, 40, 2, 32, len(shapes), 3
+    value = torch.randn(B, S, H, C, generator=generator)
+    loc = torch.rand(B, Q, H, L, P, 2, generator=generator) * 1.3 - 0.15
+    attn = torch.rand(B, Q, H, L, P, generator=generator)
+    grad_out = torch.randn(B, Q, H * C, generator=generator)
+    shapes_t, starts_t = torch.tensor(shapes), torch.tensor(starts)
+    leaves = [t.cuda().requires_grad_(True) for t in (value, loc, attn)]
+    out = pymsda.ms_deform_attn(leaves[0], shapes_t.cuda(), starts_t.cuda(), leaves[1], leaves[2])
+    out.backward(grad_out.cuda())
+    grads = [torch.full(t.shape, float("nan")) for t in (value, loc, attn)]
+    args = (B, S, H, C, L, Q, P, _lib.DTYPE_F32, _lib.INDEX_I64, -1, 2, None, 0)
+    assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes_t.data_ptr(),
+                                  starts_t.data_ptr(), loc.data_ptr(), attn.data_ptr(),
+                                  grad_out.data_ptr(), *(g.data_ptr() for g in grads), None, 0,
+                                  None) == _lib.OK
+    for name, leaf, expected in zip(GRAD_NAMES, leaves, grads):
+        assert rel_l2(leaf.grad, expected.double()) < 1e-5, name
+
+
 # The half-precision forward of a problem of >= 65536 (b, q, h) items takes 8 channels a thread
 # (kernels/msda_forward.cu, MSDA_FWD_WIDE_MIN_ITEMS): group sizes C / 8 = 1, 4 and 16.
 WIDE = [(torch.bfloat16, 8), (torch.bfloat16, 32), (torch.float16, 32), (torch.float16, 128)]
