@@ -436,6 +436,44 @@
  *      v45 0.072 / 0.084, slices of 12 MB of value (one batch each) 0.077 / 0.158, of 24 MB
  *      (one / two batches) 0.077 / 0.101 (bf16 0.048 / 0.053 -> 0.048 / 0.071); H100, v45 0.083
  *      / 0.101, 24 MB slices 0.086 / 0.110 (alternated twice). Not shipped.
+ *   v48 (decoders, f32) grad_value gathered by tiles of value rows: no memset, no global atomic
+ *      (kernels/tried/backward_tiles_t2.patch, a kernel of its own). A task is (b, h, level, band
+ *      of pixel rows), about two blocks a resident slot, cut into sub-tiles of <= 1536
+ *      positions; a block scans the level's points (a window on y, then the candidates queued a
+ *      warp and located 32 at a time), lists those with a corner in the sub-tile (the owner: the
+ *      sub-tile of the first inside corner), writes the owners' point gradients, counts the
+ *      corners per position (32-bit shared atomics, native), prefix-sums, files them as {A *
+ *      w_k, item row}, and a group per position sums A * w_k * g and stores the row once
+ *      (zeros included); a full list is flushed and the scan goes on. Correct (gradients within
+ *      1e-7 of f64 at dino_dec900; tests/test_cuda_paths.py's decoder cases, lists overflowing
+ *      many times included; compute-sanitizer racecheck clean) but slow. H200 (this session's
+ *      device), f32 ms, v45 alternated twice in one session, dino_dec900 / rtdetr_dec_b8 /
+ *      ddetr_dec:
+ *        v45                                                     0.071 / 0.082 / 0.035
+ *        t1, a y window then locate32 in every lane, one query a thread, grad_output staged
+ *          in shared memory, 3 blocks a multiprocessor (80 registers)
+ *                                                                0.185 / 0.129 / 0.068
+ *          the same at 4 blocks (64 registers, 260 bytes of spills) 0.228 / 0.134 / 0.083
+ *        t1 with the candidates of the window queued a warp and located 32 at a time
+ *                                                                0.159 / 0.116 / 0.064
+ *          at 4 blocks                                           0.200 / 0.122 / 0.076
+ *        t2, 4 queries a thread, owners and others listed apart (768 slots), grad_output read
+ *          through L1 by the row sums                            0.167 / 0.126 / 0.089
+ *          one task a resident slot (fewer rescans)              0.177 / 0.148 / 0.082
+ *          2 blocks a multiprocessor (119 registers, no spill)   0.195 / 0.151 / 0.083
+ *      ncu, SASS-level counts (dino_dec900 sizes, locations uniform in [0.05, 0.95]; the bench's
+ *      realistic ones ranked the last two the other way): t2 116 us, 37.1 M warp instructions at
+ *      0.47 issued a scheduler and cycle: scan 12.8 M, owners' point gradients 12.8 M, row sums
+ *      9.1 M (t1 with queues 146 us, 50.7 M; t1 205 us, 62.4 M). The point gradients alone cost
+ *      about what msda_backward_fast executes in all (16.8 M with its atomics), so finding the
+ *      points of a tile and sorting their corners by row costs more than the atomics and the
+ *      memset they replace. The fourth gather that loses (v41, v42, v44). Not shipped.
+ *   v49 (decoders, f32) v45 with L2 eviction hints, so that the zeroed lines of grad_value stay
+ *      in the L2 for the atomics: grad_value zeroed by stores with an evict_last policy
+ *      (createpolicy; instead of cudaMemsetAsync) and the 8-byte atomics with it
+ *      (red.global.add.L2::cache_hint.v2.f32); also with the value gathers evict_first. H200,
+ *      alternated twice in one session: dino_dec900 0.072 -> 0.074 (with evict_first gathers
+ *      0.072), rtdetr_dec_b8 0.082-0.083 -> 0.087-0.088 (0.085). Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
