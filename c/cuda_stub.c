@@ -21,3 +21,11 @@ int64_t msda_cuda_workspace_size(const msda_problem *pr) {
     (void)pr;
     return 0;
 }
+
+int msda_cuda_level_starts(int64_t L, int64_t S, int index_dtype, int device,
+                           const void *spatial_shapes, void *level_start_index, void *stream) {
+    (void)L, (void)S, (void)index_dtype, (void)device, (void)spatial_shapes;
+    (void)level_start_index, (void)stream;
+    return msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_level_starts: this build has no CUDA "
+                          "kernels");
+}

@@ -334,3 +334,26 @@ int msda_backward_packed(const int64_t *a) {
                          PACKED_PTR(a[19]), PACKED_PTR(a[20]), PACKED_PTR(a[21]),
                          PACKED_PTR(a[22]), a[23], PACKED_PTR(a[24]));
 }
+
+int msda_level_starts(int64_t L, int64_t S, int index_dtype, int device,
+                      const void *spatial_shapes, void *level_start_index, void *stream) {
+    static const char fn[] = "msda_level_starts";
+    last_error[0] = '\0';
+    const int64_t index = index_dtype == MSDA_I64 ? 8 : 4;
+    if (index_dtype != MSDA_I64 && index_dtype != MSDA_I32)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: unknown index_dtype %d", fn,
+                              index_dtype);
+    if (L < 1 || L > ((int64_t)1 << 40) || S < 0)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: L = %lld (needs >= 1), S = %lld",
+                              fn, (long long)L, (long long)S);
+    REQUIRE_POINTER(fn, spatial_shapes);
+    REQUIRE_POINTER(fn, level_start_index);
+    if ((uintptr_t)spatial_shapes % index || (uintptr_t)level_start_index % index)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: a table is not aligned to its "
+                              "%lld-byte elements", fn, (long long)index);
+    if (device >= 0)
+        return msda_cuda_level_starts(L, S, index_dtype, device, spatial_shapes,
+                                      level_start_index, stream);
+    msda_derive_level_starts(L, S, index_dtype, spatial_shapes, level_start_index);
+    return MSDA_OK;
+}

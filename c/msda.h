@@ -83,7 +83,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 4
+#define MSDA_ABI_VERSION 5
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -167,6 +167,16 @@ MSDA_API int msda_backward_packed(const int64_t *args);
 MSDA_API int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C,
                                               int64_t L, int64_t Q, int64_t P, int dtype,
                                               int device, int flags);
+
+/* level_start_index (L entries of index_dtype) derived from spatial_shapes where both tables
+ * live: start_l = sum over j < l of H_j * W_j, for callers that have the shapes only on a GPU
+ * (reading them on the host would synchronise). From the first level whose size is < 1 or
+ * overruns S on, the starts are S (such levels read nothing); an int32 start is capped at
+ * 2^31 - 1. On CUDA one single-thread kernel writes them on `stream`; device -1: at once, on
+ * host memory. */
+MSDA_API int msda_level_starts(int64_t L, int64_t S, int index_dtype, int device,
+                               const void *spatial_shapes, void *level_start_index,
+                               void *stream);
 
 #ifdef __cplusplus
 }

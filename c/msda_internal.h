@@ -68,9 +68,39 @@ static inline int msda_needs_general(const msda_problem *pr) {
     return !pr->uniform_points || (pr->flags & (MSDA_NEAREST | MSDA_SOFTMAX));
 }
 
+/* msda_level_starts' rule, for host code and kernels alike: the start of level l, the sum of
+ * H_j * W_j over the levels before it, or S from the first level whose size is < 1 or overruns
+ * S on. Never overflows. */
+#if defined(__CUDACC__)
+#define MSDA_HOST_DEVICE static __host__ __device__ __forceinline__
+#else
+#define MSDA_HOST_DEVICE static inline
+#endif
+MSDA_HOST_DEVICE int64_t msda_index_at(const void *p, int index_dtype, int64_t i) {
+    return index_dtype == MSDA_I64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+MSDA_HOST_DEVICE void msda_derive_level_starts(int64_t L, int64_t S, int index_dtype,
+                                               const void *spatial_shapes,
+                                               void *level_start_index) {
+    int64_t start = 0;
+    for (int64_t l = 0; l < L; l++) {
+        if (index_dtype == MSDA_I64)
+            ((int64_t *)level_start_index)[l] = start;
+        else /* int32 tables with S >= 2^31 cannot be honest */
+            ((int32_t *)level_start_index)[l] = (int32_t)(start < INT32_MAX ? start : INT32_MAX);
+        const int64_t h = msda_index_at(spatial_shapes, index_dtype, 2 * l);
+        const int64_t w = msda_index_at(spatial_shapes, index_dtype, 2 * l + 1);
+        start = h < 1 || w < 1 || start == S || h > (S - start) / w ? S : start + h * w;
+    }
+}
+#undef MSDA_HOST_DEVICE
+
 /* CUDA launchers (kernels/), or in a CPU-only build the stubs of c/cuda_stub.c. */
 int msda_cuda_forward(const msda_problem *pr);
 int msda_cuda_backward(const msda_problem *pr);
+/* msda_level_starts on a CUDA device (arguments checked) */
+int msda_cuda_level_starts(int64_t L, int64_t S, int index_dtype, int device,
+                           const void *spatial_shapes, void *level_start_index, void *stream);
 /* Workspace bytes msda_cuda_backward needs for a checked problem (0 if none). */
 int64_t msda_cuda_workspace_size(const msda_problem *pr);
 int msda_cuda_built(void);

@@ -7,7 +7,7 @@ raises ImportError that names every path tried and why it was refused.
 import ctypes
 import os
 
-ABI_VERSION = 4  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 5  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)
@@ -65,6 +65,9 @@ _SIGNATURES = {
     # int64 msda_backward_workspace_size(int64 B, S, H, C, L, Q, P, int dtype, int device,
     #                                    int flags)
     "msda_backward_workspace_size": (_i64, _SIZES + [_int] * 3),
+    # int msda_level_starts(int64 L, int64 S, int index_dtype, int device,
+    #                       const void *spatial_shapes, void *level_start_index, void *stream)
+    "msda_level_starts": (_int, [_i64, _i64, _int, _int, _ptr, _ptr, _ptr]),
 }
 
 

@@ -5,7 +5,8 @@
  * - the half/bfloat16 conversions (c/half.h): every binary16 value round-trips, and float ->
  *   half/bf16 rounds to the nearest representable value, ties to even;
  * - a small CPU forward and backward against a direct double computation written here;
- * - lying shape tables (sizes far beyond S) neither crash nor write outside the output.
+ * - lying shape tables (sizes far beyond S) neither crash nor write outside the output;
+ * - msda_level_starts derives level starts from sizes, lying sizes included.
  * Prints "N passed, N failed" and exits non-zero on any failure. */
 #include <math.h>
 #include <pthread.h>
@@ -261,6 +262,43 @@ static void test_lying_shapes_stay_in_bounds(void) {
     free(v), free(loc), free(attn), free(out), free(gout), free(gv), free(gloc), free(gattn);
 }
 
+static void test_level_starts(void) {
+    /* msda_level_starts on the CPU: the prefix sums of H*W, in both index types; from a level
+     * whose size is < 1 or overruns S on, S; bad arguments refused. */
+    const int64_t shapes[8] = {4, 6, 2, 3, 1, 1, 3, 3}, want[4] = {0, 24, 30, 31};
+    const int32_t shapes32[8] = {4, 6, 2, 3, 1, 1, 3, 3};
+    int64_t starts[4] = {-1, -1, -1, -1};
+    int32_t starts32[4] = {-1, -1, -1, -1};
+    int st = msda_level_starts(4, 40, MSDA_I64, -1, shapes, starts, NULL);
+    CHECK(st == MSDA_OK && memcmp(starts, want, sizeof want) == 0, "starts %lld %lld %lld %lld",
+          (long long)starts[0], (long long)starts[1], (long long)starts[2], (long long)starts[3]);
+    st = msda_level_starts(4, 40, MSDA_I32, -1, shapes32, starts32, NULL);
+    CHECK(st == MSDA_OK && starts32[0] == 0 && starts32[1] == 24 && starts32[2] == 30 &&
+              starts32[3] == 31, "int32 starts");
+    const int64_t lying[8] = {-4, 6, 2, 3, (int64_t)1 << 40, (int64_t)1 << 40, 1, 1};
+    st = msda_level_starts(4, 40, MSDA_I64, -1, lying, starts, NULL);
+    CHECK(st == MSDA_OK && starts[0] == 0 && starts[1] == 40 && starts[2] == 40 &&
+              starts[3] == 40, "negative side: %lld %lld", (long long)starts[1],
+          (long long)starts[3]);
+    const int64_t huge[8] = {4, 6, (int64_t)1 << 40, (int64_t)1 << 40, 1, 1, 1, 1};
+    st = msda_level_starts(4, 40, MSDA_I64, -1, huge, starts, NULL);
+    CHECK(st == MSDA_OK && starts[1] == 24 && starts[2] == 40 && starts[3] == 40,
+          "overrun: %lld %lld", (long long)starts[2], (long long)starts[3]);
+    CHECK(msda_level_starts(0, 40, MSDA_I64, -1, shapes, starts, NULL) ==
+                  MSDA_ERR_INVALID_ARGUMENT &&
+              strstr(msda_last_error(), "L = 0") != NULL,
+          "L = 0: %s", msda_last_error());
+    CHECK(msda_level_starts(4, 40, MSDA_I64, -1, NULL, starts, NULL) ==
+                  MSDA_ERR_INVALID_ARGUMENT &&
+              strstr(msda_last_error(), "spatial_shapes") != NULL,
+          "NULL shapes: %s", msda_last_error());
+    CHECK(msda_level_starts(4, 40, 7, -1, shapes, starts, NULL) == MSDA_ERR_INVALID_ARGUMENT,
+          "index_dtype 7");
+    CHECK(msda_level_starts(4, 40, MSDA_I64, -1, shapes, (char *)starts + 4, NULL) ==
+              MSDA_ERR_INVALID_ARGUMENT,
+          "misaligned starts");
+}
+
 int main(void) {
     test_capabilities();
     test_argument_checks();
@@ -268,6 +306,7 @@ int main(void) {
     test_half_conversions();
     test_cpu_forward_backward();
     test_lying_shapes_stay_in_bounds();
+    test_level_starts();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
