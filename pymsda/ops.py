@@ -413,7 +413,61 @@ def _host_pairs(spatial_shapes, device, validate=False):
     return pairs
 
 
+# Level tables of spatial_shapes (and level_start_index) given as tensors, per (id of each,
+# value's device): (spatial_shapes, level_start_index, a state of each, _Levels). The entry
+# holds the tensors, so their ids stay theirs while it lives. A table read on the host has its
+# numbers as its state (tolist() costs about 0.4 us, and a change through .data leaves the
+# version counter alone); a device table is remembered only where the library reads the
+# caller's tensor itself (no copy, no derived starts), so a change of its numbers is seen
+# anyway, and its state is (data pointer, version). Models pass the same two tensors to
+# every layer of a forward; a few entries are enough.
+_tensor_levels_cache = {}
+
+
+def _table_state(t):
+    if t is None:
+        return None
+    return t.tolist() if t.device.type == "cpu" else (t.data_ptr(), t._version)
+
+
+def _remember_tensor_levels(spatial_shapes, level_start_index, device, levels):
+    if levels.host is None and not (levels.shapes is spatial_shapes
+                                    and levels.starts is level_start_index):
+        return  # copies or derived starts: a change of the caller's table would go unseen
+    try:
+        entry = (spatial_shapes, level_start_index, _table_state(spatial_shapes),
+                 _table_state(level_start_index), levels)
+    except RuntimeError:  # an inference tensor has no version counter
+        return
+    if len(_tensor_levels_cache) >= 16:
+        _tensor_levels_cache.clear()
+    _tensor_levels_cache[(id(spatial_shapes), id(level_start_index), device)] = entry
+
+
+def _remembered_tensor_levels(spatial_shapes, level_start_index, device):
+    """The _Levels of an earlier call with these very tables, unchanged since; or None."""
+    entry = _tensor_levels_cache.get((id(spatial_shapes), id(level_start_index), device))
+    if (entry is None or entry[0] is not spatial_shapes or entry[1] is not level_start_index
+            or _table_state(spatial_shapes) != entry[2]
+            or _table_state(level_start_index) != entry[3]):
+        return None
+    levels = entry[4]
+    if (levels.host is None or level_start_index is not None) and _validating(False):
+        return None  # PYMSDA_VALIDATE=1: tables on the device are read on every call
+    return levels
+
+
 def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False):
+    levels = _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, validate)
+    # Not while validation asks to read device tables on every call, nor while tracing.
+    if (type(spatial_shapes) is _Tensor
+            and (level_start_index is None or type(level_start_index) is _Tensor)
+            and not _tracing() and (levels.host is not None or not _validating(validate))):
+        _remember_tensor_levels(spatial_shapes, level_start_index, device, levels)
+    return levels
+
+
+def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, validate=False):
     if isinstance(spatial_shapes, torch.Tensor):
         pairs = _host_pairs(spatial_shapes, device, validate)
         levels = None if pairs is None else _levels_from_host(pairs, device, spatial_shapes.dtype)
@@ -445,12 +499,18 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
     shapes = _aligned_contiguous(spatial_shapes.to(device))
-    if level_start_index is None:
+    if level_start_index is not None:
+        starts = _aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
+    elif device.type == "cuda" and _has_cuda_kernels and not _tracing():
+        # derived on the device by one small kernel (c/msda.h), afresh on every call, so that
+        # a change of the shapes' numbers is followed
+        starts = torch.empty(shapes.shape[0], dtype=shapes.dtype, device=device)
+        _check(lib.msda_level_starts(shapes.shape[0], S, _INDEX_CODE[shapes.dtype],
+                                     device.index, shapes.data_ptr(), starts.data_ptr(),
+                                     _current_stream(device.index)))
+    else:  # meta tensors, or a device the library does not serve
         sizes = shapes[:, 0] * shapes[:, 1]
         starts = torch.cumsum(sizes, 0) - sizes
-    else:
-        starts = level_start_index
-    starts = _aligned_contiguous(starts.to(device=device, dtype=shapes.dtype))
     return _Levels(shapes, starts, None)
 
 
@@ -943,7 +1003,15 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         shape table, each naming the argument; ValueError or RuntimeError from the library
         (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
-    if sampling == "bilinear" and not softmax and deterministic is None:  # the common call
+    if (num_points_list is None and sampling == "bilinear" and not softmax
+            and deterministic is None and not validate and type(value) is _Tensor
+            and type(sampling_locations) is _Tensor and type(attention_weights) is _Tensor
+            and not _is_compiling() and not _dispatch_modes()):
+        out = _common_call(value, spatial_shapes, level_start_index, sampling_locations,
+                           attention_weights)
+        if out is not None:
+            return out
+    if sampling == "bilinear" and not softmax and deterministic is None:
         flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
     else:
         flags = _flags(sampling, softmax, deterministic)
@@ -969,6 +1037,53 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
             return _apply_direct(value, loc, attn, (levels, sizes, lp, flags))
         return _MSDA.apply(value, loc, attn, (levels, sizes, lp, flags))
     return _forward(value, levels, loc, attn, sizes, lp, flags)  # no graph: skip autograd
+
+
+def _common_call(value, spatial_shapes, level_start_index, loc, attn):
+    """The common eager call (plain tensors of one dtype, per-level points, bilinear, no
+    options, level tables already seen) in one pass: the output, or None when anything differs
+    from that, and the full path then checks everything and says what is wrong."""
+    dtype = value.dtype
+    if loc.dtype is not dtype or attn.dtype is not dtype or dtype not in _DTYPE_CODE:
+        return None
+    try:
+        B, S, H, C = value.shape
+        Bl, Q, Hl, L, P, two = loc.shape
+    except ValueError:
+        return None
+    if two != 2 or Bl != B or Hl != H or attn.shape != (B, Q, H, L, P):
+        return None
+    device = value.device
+    if loc.device != device or attn.device != device:
+        return None
+    if type(spatial_shapes) is list:
+        if level_start_index is not None:
+            return None
+        try:
+            levels = _list_levels_cache.get((tuple(map(tuple, spatial_shapes)), device))
+        except TypeError:
+            return None
+    else:
+        levels = _remembered_tensor_levels(spatial_shapes, level_start_index, device)
+    if (levels is None or levels.L != L or (levels.total is not None and levels.total != S)
+            or C < 1 or H < 1 or P < 1
+            or B * H * (S * C + Q * C + Q * L * P * 2) > _MAX_ELEMENTS):
+        return None
+    value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
+    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % value.element_size():
+        return None
+    if not (_has_cuda_kernels if value.is_cuda else device.type == "cpu"):
+        return None
+    plan = (levels, (B, S, H, C, L, Q, P), None,
+            _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0)
+    if _is_grad_enabled() and (value.requires_grad or loc.requires_grad or attn.requires_grad):
+        if _apply_direct is not None and not _functorch_active():
+            return _apply_direct(value, loc, attn, plan)
+        return _MSDA.apply(value, loc, attn, plan)
+    return _forward(value, levels, loc, attn, plan[1], None, plan[3])
+
+
+_is_grad_enabled = torch.is_grad_enabled
 
 
 class MSDeformAttnFunction:

@@ -3,6 +3,7 @@ current (non-default) stream, a second GPU, CUDA graph capture, no host-device s
 and a Deformable-DETR-sized case. Everything here skips without a GPU (conftest.requires_cuda);
 accuracy per dtype on CUDA is covered by the "cuda" cases of test_forward/test_backward.
 """
+import pytest
 import torch
 
 import pymsda
@@ -172,6 +173,64 @@ def test_device_spatial_shapes_changed_in_place_are_seen(generator):
     other = torch.tensor([(2, 12), (3, 2)], device="cuda")
     expected = oracle_forward(dict(inputs, spatial_shapes=other.cpu()))
     assert rel_l2(run_msda(inputs, spatial_shapes=other, level_start_index=None), expected) < 1e-12
+
+
+@pytest.mark.parametrize("dtype,channels", [(torch.float32, 32), (torch.bfloat16, 32),
+                                            (torch.float32, 5), (torch.float64, 8)],
+                         ids=["f32-fast", "bf16-fast", "f32-generic", "f64-generic"])
+@pytest.mark.parametrize("encoder", [False, True], ids=["decoder", "encoder"])
+def test_device_shapes_without_start_index_equal_given_starts_bitwise(generator, dtype,
+                                                                      channels, encoder):
+    # Without level_start_index the starts are derived on the device (msda_level_starts);
+    # every kernel must then compute exactly what it computes with the starts given
+    # (deterministic backward, so that grad_value's sums are order-free too).
+    shapes = [(9, 11), (5, 6), (3, 3)]
+    queries = sum(h * w for h, w in shapes) if encoder else 37
+    inputs = make_inputs(generator, 2, queries, 2, channels, shapes, 3, dtype=dtype,
+                         device="cuda")
+    grad_output = torch.randn(2, queries, 2 * channels, generator=generator).to("cuda", dtype)
+    results = []
+    for starts in (inputs["level_start_index"], None):
+        leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+        out = pymsda.ms_deform_attn(leaves["value"], inputs["spatial_shapes"], starts,
+                                    leaves["sampling_locations"], leaves["attention_weights"],
+                                    deterministic=True)
+        out.backward(grad_output)
+        results.append([out] + [leaves[k].grad for k in GRAD_NAMES])
+    for name, given, derived in zip(("out", *GRAD_NAMES), *results):
+        assert torch.equal(given, derived), name
+    assert rel_l2(results[1][0], oracle_forward(inputs)) < (1e-2 if dtype == torch.bfloat16
+                                                           else 1e-6)
+
+
+def test_device_tables_passed_again_follow_every_change(generator):
+    # The op remembers device tables it reads as they are (both given, one dtype); passing the
+    # same tensors again must still follow a change of their numbers, in place, through .data
+    # or by .data = (a new pointer), and not leak a stale pointer.
+    inputs = make_inputs(generator, batch=2, queries=5, heads=2, channels=8, points=2,
+                         shapes=[(4, 6), (2, 3)], device="cuda")
+    shapes = inputs["spatial_shapes"].clone()
+    starts = inputs["level_start_index"].clone()
+    for _ in range(2):
+        out = run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)
+        assert rel_l2(out, oracle_forward(inputs)) < 1e-12
+    for new, how in (([(6, 4), (3, 2)], "in place"), ([(3, 8), (1, 6)], ".data"),
+                     ([(2, 12), (3, 2)], ".data =")):
+        new_starts = [0, new[0][0] * new[0][1]]
+        if how == "in place":
+            shapes.copy_(torch.tensor(new))
+            starts.copy_(torch.tensor(new_starts))
+        elif how == ".data":
+            shapes.data.copy_(torch.tensor(new))
+            starts.data.copy_(torch.tensor(new_starts))
+        else:
+            shapes.data = torch.tensor(new, device="cuda")
+            starts.data = torch.tensor(new_starts, device="cuda")
+            torch.cuda.empty_cache()  # the old tables' memory goes back to the driver
+        expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
+        for _ in range(2):
+            out = run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)
+            assert rel_l2(out, expected) < 1e-12, how
 
 
 def test_deformable_detr_sized_encoder_case_f32(generator):

@@ -378,11 +378,16 @@ LYING_DECODER_TABLES = [
     ([(20, 30), (10, 15)], [150, 0], 750),   # out of order, overlapping
     ([(20, 30), (10, 15)], [0, 600], 900),   # short of S: rows no level reaches
     ([(20, 30), (10, 15)], [0, 700], 760),   # level 1 runs past S
+    # without level_start_index (derived by the kernels and by the C library alike)
+    ([(20, 30), (10, 15)], None, 900),       # short of S
+    ([(20, 30), (10, 15)], None, 700),       # level 1 runs past S
+    ([(30, 30), (10, 15)], None, 800),       # level 0 runs past S: level 1 starts at S
 ]
 
 
 @pytest.mark.parametrize("shapes,starts,S", LYING_DECODER_TABLES,
-                         ids=["overlap", "unordered", "short", "past_S"])
+                         ids=["overlap", "unordered", "short", "past_S", "derived_short",
+                              "derived_past_S", "derived_level0_past_S"])
 def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
         generator, shapes, starts, S):
     from pymsda import _lib
@@ -391,10 +396,18 @@ def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
     loc = torch.rand(B, Q, H, L, P, 2, generator=generator) * 1.3 - 0.15
     attn = torch.rand(B, Q, H, L, P, generator=generator)
     grad_out = torch.randn(B, Q, H * C, generator=generator)
-    shapes_t, starts_t = torch.tensor(shapes), torch.tensor(starts)
+    shapes_t = torch.tensor(shapes)
     leaves = [t.cuda().requires_grad_(True) for t in (value, loc, attn)]
-    out = pymsda.ms_deform_attn(leaves[0], shapes_t.cuda(), starts_t.cuda(), leaves[1], leaves[2])
+    out = pymsda.ms_deform_attn(leaves[0], shapes_t.cuda(),
+                                None if starts is None else torch.tensor(starts).cuda(),
+                                leaves[1], leaves[2])
     out.backward(grad_out.cuda())
+    if starts is None:  # the C library's own derivation, on the host
+        starts_t = torch.empty(L, dtype=torch.int64)
+        assert _lib.lib.msda_level_starts(L, S, _lib.INDEX_I64, -1, shapes_t.data_ptr(),
+                                          starts_t.data_ptr(), None) == _lib.OK
+    else:
+        starts_t = torch.tensor(starts)
     grads = [torch.full(t.shape, float("nan")) for t in (value, loc, attn)]
     args = (B, S, H, C, L, Q, P, _lib.DTYPE_F32, _lib.INDEX_I64, -1, 2, None, 0)
     assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes_t.data_ptr(),

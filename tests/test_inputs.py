@@ -139,6 +139,61 @@ def test_non_positive_level_size_raises(generator, shapes):
         pymsda.ms_deform_attn(inputs["value"], shapes, None, locations, weights)
 
 
+# ---- tables passed again: remembered, never stale -----------------------------------------------
+# The op remembers the level tables of a spatial_shapes / level_start_index pair of tensors it
+# has seen; calls that pass the same tensors again must still follow any change of their
+# numbers (in place, through .data, which leaves the version counter alone, or by .data =) and
+# still refuse tables that stop matching value.
+
+def test_host_tables_changed_between_calls_are_seen(generator):
+    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    shapes, starts = inputs["spatial_shapes"].clone(), inputs["level_start_index"].clone()
+    for _ in range(2):
+        assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=starts),
+                      oracle_forward(inputs)) < 1e-6
+    for new, how in (([(5, 4), (2, 3)], "in place"), ([(2, 10), (6, 1)], ".data"),
+                     ([(1, 20), (1, 6)], ".data =")):
+        new_starts = [0, new[0][0] * new[0][1]]
+        if how == "in place":
+            shapes.copy_(torch.tensor(new))
+            starts.copy_(torch.tensor(new_starts))
+        elif how == ".data":
+            shapes.data.copy_(torch.tensor(new))
+            starts.data.copy_(torch.tensor(new_starts))
+        else:
+            shapes.data = torch.tensor(new)
+            starts.data = torch.tensor(new_starts)
+        expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
+        for level_start_index in (starts, None):
+            out = run_msda(inputs, spatial_shapes=shapes, level_start_index=level_start_index)
+            assert rel_l2(out, expected) < 1e-6, (how, level_start_index)
+    starts.data.copy_(torch.tensor([0, 19]))
+    with pytest.raises(ValueError, match="level_start_index"):
+        run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)
+
+
+def test_host_tables_seen_before_still_refuse_another_value(generator):
+    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    run_msda(inputs)
+    with pytest.raises(ValueError, match="spatial_shapes|value"):
+        run_msda(inputs, value=inputs["value"][:, :-1])
+    three_levels = torch.rand(B, Q, H, L + 1, P, 2)
+    with pytest.raises(ValueError, match="spatial_shapes|sampling_locations"):
+        run_msda(inputs, sampling_locations=three_levels,
+                 attention_weights=torch.rand(B, Q, H, L + 1, P))
+
+
+def test_tables_made_in_inference_mode_work(generator):
+    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    with torch.inference_mode():
+        tables = dict(spatial_shapes=torch.tensor(SHAPES),
+                      level_start_index=torch.tensor([0, 20]))
+        for _ in range(2):
+            assert rel_l2(run_msda(inputs, **tables), oracle_forward(inputs)) < 1e-6
+    for _ in range(2):
+        assert rel_l2(run_msda(inputs, **tables), oracle_forward(inputs)) < 1e-6
+
+
 @pytest.mark.parametrize("shapes", [[(4, 5, 1), (3, 2, 1)], [4, 5], [(4,), (3,)]],
                          ids=["triples", "flat", "singles"])
 def test_list_shapes_not_pairs_raise(inputs, shapes):

@@ -477,7 +477,8 @@ LYING = ([("i64", t) for t in LYING_TABLES_I64] + [("i32", t) for t in LYING_TAB
 LYING_KINDS = [(torch.float32, 8), (torch.float32, 5), (torch.bfloat16, 4), (torch.float64, 3)]
 
 
-def _lying_call(generator, device, dtype, channels, index, table, validate=False):
+def _lying_call(generator, device, dtype, channels, index, table, validate=False,
+                derived=False):
     index_dtype = torch.int64 if index == "i64" else torch.int32
     shapes, starts = table
     value = torch.randn(1, S, H, channels, generator=generator, dtype=torch.float64)
@@ -487,7 +488,8 @@ def _lying_call(generator, device, dtype, channels, index, table, validate=False
     leaves = [t.to(device=device, dtype=dtype).requires_grad_(True)
               for t in (value, locations, weights)]
     out = pymsda.ms_deform_attn(leaves[0], torch.tensor(shapes, dtype=index_dtype, device=device),
-                                torch.tensor(starts, dtype=index_dtype, device=device),
+                                None if derived else torch.tensor(starts, dtype=index_dtype,
+                                                                  device=device),
                                 leaves[1], leaves[2], validate=validate)
     out.backward(torch.ones_like(out))
     return out, leaves
@@ -497,11 +499,15 @@ def _lying_call(generator, device, dtype, channels, index, table, validate=False
 @pytest.mark.parametrize("dtype,channels", LYING_KINDS,
                          ids=[f"{str(d)[6:]}-C{c}" for d, c in LYING_KINDS])
 @pytest.mark.parametrize("index,table", LYING, ids=[f"{i}-{n}" for n, (i, _) in enumerate(LYING)])
-def test_lying_device_shapes_stay_in_bounds_cuda(generator, dtype, channels, index, table):
+@pytest.mark.parametrize("derived", [False, True], ids=["starts", "derived_starts"])
+def test_lying_device_shapes_stay_in_bounds_cuda(generator, dtype, channels, index, table,
+                                                 derived):
     # Run under compute-sanitizer memcheck (tests/gpu_reliability.sh, with the caching allocator
     # off) this proves no read or write leaves the tensors; alone it checks that every output
-    # is a convex mix of value entries and every gradient is written and finite.
-    out, (value, locations, weights) = _lying_call(generator, "cuda", dtype, channels, index, table)
+    # is a convex mix of value entries and every gradient is written and finite. derived: no
+    # level_start_index, so the kernels derive the starts from the lying sizes.
+    out, (value, locations, weights) = _lying_call(generator, "cuda", dtype, channels, index, table,
+                                                   derived=derived)
     torch.cuda.synchronize()
     bound = weights.detach().double().abs().sum((-1, -2)) * value.detach().double().abs().max()
     per_row = out.detach().double().view(1, 40, H, channels).abs().amax(-1)
@@ -514,23 +520,29 @@ def test_lying_device_shapes_stay_in_bounds_cuda(generator, dtype, channels, ind
 
 
 @pytest.mark.parametrize("index,table", LYING, ids=[f"{i}-{n}" for n, (i, _) in enumerate(LYING)])
-def test_lying_shapes_stay_in_bounds_cpu_c_level(generator, index, table):
+@pytest.mark.parametrize("derived", [False, True], ids=["starts", "derived_starts"])
+def test_lying_shapes_stay_in_bounds_cpu_c_level(generator, index, table, derived):
     # The same tables through the C library's CPU path, bypassing the Python checks (ctypes):
-    # under `make sanitize` AddressSanitizer makes this strict.
+    # under `make sanitize` AddressSanitizer makes this strict. derived: the starts that
+    # msda_level_starts derives from the lying sizes.
     index_dtype = torch.int64 if index == "i64" else torch.int32
     shapes = torch.tensor(table[0], dtype=index_dtype)
     starts = torch.tensor(table[1], dtype=index_dtype)
+    code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
+    if derived:
+        assert _lib.lib.msda_level_starts(L, S, code, -1, shapes.data_ptr(), starts.data_ptr(),
+                                          None) == _lib.OK
+    starts_ptr = starts.data_ptr()
     value = torch.randn(1, S, H, C, generator=generator)
     locations = torch.rand(1, 40, H, L, P, 2, generator=generator) * 1.4 - 0.2
     weights = torch.rand(1, 40, H, L, P, generator=generator)
     out = torch.full((1, 40, H, C), float("nan"))
     grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
-    code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
     args = (1, S, H, C, L, 40, P, _lib.DTYPE_F32, code, -1, 2, None, 0)
-    assert _lib.lib.msda_forward(*args, value.data_ptr(), shapes.data_ptr(), starts.data_ptr(),
+    assert _lib.lib.msda_forward(*args, value.data_ptr(), shapes.data_ptr(), starts_ptr,
                                  locations.data_ptr(), weights.data_ptr(), out.data_ptr(),
                                  None) == _lib.OK
-    assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes.data_ptr(), starts.data_ptr(),
+    assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes.data_ptr(), starts_ptr,
                                   locations.data_ptr(), weights.data_ptr(),
                                   torch.ones_like(out).data_ptr(),
                                   *(g.data_ptr() for g in grads), None, 0, None) == _lib.OK
