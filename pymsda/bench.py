@@ -28,8 +28,8 @@ against the reference run in float64 on the same (rounded) inputs, the same for 
 gradients, and the reference's own errors (forward and gradients) in the benchmarked dtype.
 
 --overhead adds the host cost of one eager call on a tiny shape (microseconds per call, plain and
-requires_grad inputs, no synchronisation inside a loop, the garbage collector off as in timeit;
-the median of 5 loops).
+requires_grad inputs, level shapes as a list and as device tensors, no synchronisation inside a
+loop, the garbage collector off as in timeit; the median of 5 loops).
 """
 import argparse
 import datetime
@@ -351,7 +351,8 @@ def _git_commit():
 
 def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, collect=False):
     """Host microseconds per eager forward call on a tiny shape (B=Q=H=L=P=1, a 4x4 level, C=4),
-    with plain and with requires_grad inputs: the median over `rounds` loops of `calls` calls,
+    with plain and with requires_grad inputs, the level shapes given as a list and (pymsda
+    "tables") as spatial_shapes and level_start_index tensors on the device: the median over `rounds` loops of `calls` calls,
     each loop timed to a synchronisation after its last call (on CUDA). As timeit does, the
     garbage collector is off while a loop runs (collect=True leaves it on): a collection then
     walks every object of the process, torch's included, and would bill its pause to whichever
@@ -384,13 +385,21 @@ def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, c
                     gc.enable()
         return statistics.median(per_call)
 
-    for impl in ("pymsda", "reference") if reference else ("pymsda",):
-        op = IMPLEMENTATIONS[impl]
+    # pymsda twice: shapes as a list, and as Deformable DETR passes them (spatial_shapes and
+    # level_start_index tensors on the value's device).
+    tables = (torch.tensor(inputs["spatial_shapes"], device=device),
+              torch.zeros(1, dtype=torch.int64, device=device))
+    timed = {"pymsda": lambda v, loc, attn: ms_deform_attn(v, inputs["spatial_shapes"], None,
+                                                           loc, attn),
+             "pymsda_tables": lambda v, loc, attn: ms_deform_attn(v, *tables, loc, attn)}
+    if reference:
+        timed["reference"] = lambda v, loc, attn: ms_deform_attn_pytorch(
+            v, inputs["spatial_shapes"], loc, attn)
+    for impl, op in timed.items():
         for mode in ("plain", "requires_grad"):
             args = [inputs[k].detach().requires_grad_(mode == "requires_grad")
                     for k in ("value", "sampling_locations", "attention_weights")]
-            result[f"{impl}_{mode}_us"] = per_call_us(
-                lambda: op(args[0], inputs["spatial_shapes"], args[1], args[2]))
+            result[f"{impl}_{mode}_us"] = per_call_us(lambda: op(*args))
     value = inputs["value"]
     result["torch_add_us"] = per_call_us(lambda: value.add(1))
     return result
@@ -400,6 +409,8 @@ def _overhead_label(key):
     """"pymsda_plain_us" -> "pymsda plain"; the calibration op by what it runs."""
     if key == "torch_add_us":
         return "torch value.add(1)"
+    if key.startswith("pymsda_tables_"):
+        return "pymsda " + key[len("pymsda_tables_"):-3] + " (tensor tables)"
     return key[:-3].replace("_", " ", 1)
 
 

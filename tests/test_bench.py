@@ -125,10 +125,12 @@ def test_input_sets_are_seeded_and_cast_to_the_dtype():
 
 def test_overhead_reports_microseconds_per_call(result):
     overhead = result["overhead"]
-    for key in ("pymsda_plain_us", "pymsda_requires_grad_us", "reference_plain_us",
+    for key in ("pymsda_plain_us", "pymsda_requires_grad_us", "pymsda_tables_plain_us",
+                "pymsda_tables_requires_grad_us", "reference_plain_us",
                 "reference_requires_grad_us", "torch_add_us"):
         assert overhead[key] > 0
     assert "pymsda requires_grad" in bench.format_table(result)
+    assert "pymsda plain (tensor tables)" in bench.format_table(result)
     assert "torch value.add(1)" in bench.format_table(result)
     assert "- torch value.add(1): " in bench.format_markdown(result)
 
