@@ -216,3 +216,20 @@ def oracle_backward_general(inputs, grad_output, **options):
                                    to_numpy(inputs["sampling_locations"]),
                                    to_numpy(inputs["attention_weights"]), to_numpy(grad_output),
                                    **options)
+
+
+TABLE_CHANGES = ("in place", ".data", ".data =")
+
+
+def change_tables(shapes, starts, new_shapes, how):
+    """Gives the spatial_shapes / level_start_index tensors the numbers of new_shapes (two
+    levels) in one of TABLE_CHANGES: in place (bumps their version counters), through .data
+    (which leaves the counters alone) or by .data = (new storage, a new data pointer)."""
+    new = torch.tensor(new_shapes, device=shapes.device)
+    new_starts = torch.tensor([0, new_shapes[0][0] * new_shapes[0][1]], device=starts.device)
+    if how == "in place":
+        shapes.copy_(new), starts.copy_(new_starts)
+    elif how == ".data":
+        shapes.data.copy_(new), starts.data.copy_(new_starts)
+    else:
+        shapes.data, starts.data = new, new_starts

@@ -9,8 +9,9 @@ import torch
 import pymsda
 from pymsda.reference import ms_deform_attn_pytorch
 from conftest import requires_cuda, requires_two_gpus
-from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
-                       random_grad_output, random_level_shapes, rel_l2, run_msda)
+from factories import (GRAD_NAMES, TABLE_CHANGES, change_tables, make_inputs,
+                       oracle_backward, oracle_forward, random_grad_output,
+                       random_level_shapes, rel_l2, run_msda)
 
 pytestmark = requires_cuda
 
@@ -214,19 +215,10 @@ def test_device_tables_passed_again_follow_every_change(generator):
     for _ in range(2):
         out = run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)
         assert rel_l2(out, oracle_forward(inputs)) < 1e-12
-    for new, how in (([(6, 4), (3, 2)], "in place"), ([(3, 8), (1, 6)], ".data"),
-                     ([(2, 12), (3, 2)], ".data =")):
-        new_starts = [0, new[0][0] * new[0][1]]
-        if how == "in place":
-            shapes.copy_(torch.tensor(new))
-            starts.copy_(torch.tensor(new_starts))
-        elif how == ".data":
-            shapes.data.copy_(torch.tensor(new))
-            starts.data.copy_(torch.tensor(new_starts))
-        else:
-            shapes.data = torch.tensor(new, device="cuda")
-            starts.data = torch.tensor(new_starts, device="cuda")
-            torch.cuda.empty_cache()  # the old tables' memory goes back to the driver
+    for new, how in zip(([(6, 4), (3, 2)], [(3, 8), (1, 6)], [(2, 12), (3, 2)]),
+                        TABLE_CHANGES):
+        change_tables(shapes, starts, new, how)
+        torch.cuda.empty_cache()  # old tables' memory (after .data =) goes back to the driver
         expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
         for _ in range(2):
             out = run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)

@@ -9,7 +9,8 @@ import torch
 
 import pymsda
 from conftest import requires_cuda
-from factories import make_inputs, oracle_forward, rel_l2, run_msda
+from factories import (TABLE_CHANGES, change_tables, make_inputs, oracle_forward, rel_l2,
+                       run_msda)
 
 SHAPES = [(4, 5), (3, 2)]  # S = 26
 B, Q, H, C, L, P = 2, 3, 2, 4, 2, 3
@@ -151,18 +152,9 @@ def test_host_tables_changed_between_calls_are_seen(generator):
     for _ in range(2):
         assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=starts),
                       oracle_forward(inputs)) < 1e-6
-    for new, how in (([(5, 4), (2, 3)], "in place"), ([(2, 10), (6, 1)], ".data"),
-                     ([(1, 20), (1, 6)], ".data =")):
-        new_starts = [0, new[0][0] * new[0][1]]
-        if how == "in place":
-            shapes.copy_(torch.tensor(new))
-            starts.copy_(torch.tensor(new_starts))
-        elif how == ".data":
-            shapes.data.copy_(torch.tensor(new))
-            starts.data.copy_(torch.tensor(new_starts))
-        else:
-            shapes.data = torch.tensor(new)
-            starts.data = torch.tensor(new_starts)
+    for new, how in zip(([(5, 4), (2, 3)], [(2, 10), (6, 1)], [(1, 20), (1, 6)]),
+                        TABLE_CHANGES):
+        change_tables(shapes, starts, new, how)
         expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
         for level_start_index in (starts, None):
             out = run_msda(inputs, spatial_shapes=shapes, level_start_index=level_start_index)
