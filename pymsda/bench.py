@@ -352,11 +352,11 @@ def _git_commit():
 def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, collect=False):
     """Host microseconds per eager forward call on a tiny shape (B=Q=H=L=P=1, a 4x4 level, C=4),
     with plain and with requires_grad inputs, the level shapes given as a list and (pymsda
-    "tables") as spatial_shapes and level_start_index tensors on the device: the median over `rounds` loops of `calls` calls,
-    each loop timed to a synchronisation after its last call (on CUDA). As timeit does, the
-    garbage collector is off while a loop runs (collect=True leaves it on): a collection then
-    walks every object of the process, torch's included, and would bill its pause to whichever
-    call happens to trigger it. "torch_add_us" times one torch op, `value.add(1)` (an
+    "tables") as spatial_shapes and level_start_index tensors on the device: the median over
+    `rounds` loops of `calls` calls, each loop timed to a synchronisation after its last call
+    (on CUDA). As timeit does, the garbage collector is off while a loop runs (collect=True
+    leaves it on): a collection then walks every object of the process, torch's included, and
+    would bill its pause to whichever call happens to trigger it. "torch_add_us" times one torch op, `value.add(1)` (an
     allocation and a kernel launch), in the same way: the host's own speed, which varies between
     machines and machine starts more than the op's code does."""
     spec = {"B": 1, "levels": [[4, 4]], "Q": 1, "H": 1, "C": 4, "P": 1}
