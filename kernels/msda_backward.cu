@@ -474,6 +474,32 @@
  *      (red.global.add.L2::cache_hint.v2.f32); also with the value gathers evict_first. H200,
  *      alternated twice in one session: dino_dec900 0.072 -> 0.074 (with evict_first gathers
  *      0.072), rtdetr_dec_b8 0.082-0.083 -> 0.087-0.088 (0.085). Not shipped.
+ *   v50 (decoders, f32) v45 with the corners of an item's points that fall on one grad_value row
+ *      merged before the scatter (a simulation of the realistic inputs: 17% of dino_dec900's
+ *      and rtdetr_dec_b8's inside corners repeat a row of another point of their item and
+ *      level): the staging thread of each point exchanged its offsets and A * w_k with the
+ *      three other lanes of its quad (one level's 4 points) by shuffles, the quad's lowest lane
+ *      holding a row scattered the quad's summed coefficient for it and the others skipped
+ *      that atomic (merged coefficients in a fourth shared array, an owner mask in s_geo.w).
+ *      Correct (test_cuda_paths, test_backward, test_reliability passed with it), but H100,
+ *      alternated three times in one session, f32 ms: dino_dec900 0.084 -> 0.093, rtdetr_dec_b8
+ *      0.101 -> 0.105, ddetr_dec 0.042 -> 0.042 (24 shuffles and 48 compares a staged point,
+ *      8 bytes of spills). As with v36 in the aggregated kernel, finding the repeats costs
+ *      more than the atomics they save. Not shipped.
+ *   v51 (decoders, f32) v45 software-pipelined: point k + 1's staged geometry read and its four
+ *      gathers issued before point k's atomics, sums and shuffles (the loop was one dependent
+ *      round trip a point). H100, alternated twice in one session, f32 ms, dino_dec900 /
+ *      rtdetr_dec_b8 / ddetr_dec:
+ *        v45                                       0.0834 / 0.1008-0.1010 / 0.0424-0.0425
+ *        pipelined, 48 registers (8 bytes spilled) 0.0812-0.0815 / 0.1010-0.1016 / 0.0422-0.0425
+ *        pipelined, 4 blocks a multiprocessor (60 registers)
+ *                                                  0.0797-0.0798 / 0.1027-0.1029 / 0.0424-0.0425
+ *      torch.profiler, the kernel alone: dino_dec900 66.4 -> 63.1 / 62.4 us, rtdetr_dec_b8 76.5
+ *      -> 76.4 / 78.2 us. A scan of dino_dec900's Q (v45, bench times incl. the memset): 1.00
+ *      waves of blocks (Q = 660) 64.3 us, 1.36 (Q = 900) 82.5, 2.00 (Q = 1320) 97.2, 3.00
+ *      (Q = 1980) 127.1: about 46 ns a query at the margin, so even a grid without a partial
+ *      last wave would bring dino_dec900 to about 0.075 ms, not 0.060. At most 4% on one
+ *      shape and a loss on the other: not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
