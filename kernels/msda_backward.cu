@@ -486,20 +486,30 @@
  *      0.101 -> 0.105, ddetr_dec 0.042 -> 0.042 (24 shuffles and 48 compares a staged point,
  *      8 bytes of spills). As with v36 in the aggregated kernel, finding the repeats costs
  *      more than the atomics they save. Not shipped.
- *   v51 (decoders, f32) v45 software-pipelined: point k + 1's staged geometry read and its four
- *      gathers issued before point k's atomics, sums and shuffles (the loop was one dependent
- *      round trip a point). H100, alternated twice in one session, f32 ms, dino_dec900 /
- *      rtdetr_dec_b8 / ddetr_dec:
- *        v45                                       0.0834 / 0.1008-0.1010 / 0.0424-0.0425
- *        pipelined, 48 registers (8 bytes spilled) 0.0812-0.0815 / 0.1010-0.1016 / 0.0422-0.0425
- *        pipelined, 4 blocks a multiprocessor (60 registers)
- *                                                  0.0797-0.0798 / 0.1027-0.1029 / 0.0424-0.0425
- *      torch.profiler, the kernel alone: dino_dec900 66.4 -> 63.1 / 62.4 us, rtdetr_dec_b8 76.5
- *      -> 76.4 / 78.2 us. A scan of dino_dec900's Q (v45, bench times incl. the memset): 1.00
- *      waves of blocks (Q = 660) 64.3 us, 1.36 (Q = 900) 82.5, 2.00 (Q = 1320) 97.2, 3.00
- *      (Q = 1980) 127.1: about 46 ns a query at the margin, so even a grid without a partial
- *      last wave would bring dino_dec900 to about 0.075 ms, not 0.060. At most 4% on one
- *      shape and a loss on the other: not shipped.
+ *   v51 (decoders, f32) v45 software-pipelined: point k + 1's gathers issued before point k's
+ *      atomics, sums and shuffles (the loop was one dependent round trip of the gathers a
+ *      point). H100, f32 ms, dino_dec900 / rtdetr_dec_b8, each form alternated twice with v45
+ *      in one call (v45's times of the same call in brackets):
+ *        point k + 1 wholly in registers, 48 registers (8 bytes spilled):
+ *          0.0812-0.0815 / 0.1010-0.1016 [0.0834 / 0.1008-0.1010]
+ *        the same, 4 blocks a multiprocessor (60 registers):
+ *          0.0787-0.0798 / 0.1027-0.1031 [0.0834-0.0840 / 0.1008-0.1013]
+ *        the same with v43's 4 channels a thread, 64 / 48 registers (24 / 136 bytes spilled):
+ *          0.090 / 0.114, 0.153 / 0.186
+ *        only point k + 1's gathered corners carried, the rest of point k read again from
+ *        shared memory (48 registers, no spills), in two calls:
+ *          0.0792-0.0794 / 0.0998-0.0999 [0.0840-0.0844 / 0.1013-0.1015]
+ *          0.0812-0.0820 / 0.0991-0.0993 [0.0846-0.0847 / 0.1010-0.1013]
+ *        that with 4 blocks (52 registers) 0.0803-0.0804 / 0.1018-0.1022; with 6 (40
+ *        registers, 32 bytes spilled) 0.133 / 0.140; gathering two points ahead, 48
+ *        registers (24 bytes spilled) 0.092 / 0.108, 4 blocks (60 registers) 0.081 / 0.102
+ *      torch.profiler (the first form): the kernel alone, dino_dec900 66.4 -> 63.1 us,
+ *      rtdetr_dec_b8 76.5 -> 76.4 us, the zeroing 12 / 21 us. A scan of dino_dec900's Q with
+ *      v45 (bench times, zeroing included): 1.00 waves of blocks (Q = 660) 64.3 us, 1.36
+ *      (Q = 900) 82.5, 2.00 (Q = 1320) 97.2, 3.00 (Q = 1980) 127.1, about 46 ns a query at the
+ *      margin: even a grid without a partial last wave would leave dino_dec900 near 0.075 ms,
+ *      not 0.060. <- shipped (the carried-corners form; plain f32 decoders with unsliced
+ *      points, as v45)
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -717,8 +727,9 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 /* 4 channels per thread for every type: one 16-byte f32 vector atomic per corner, the pieces of
  * a group contiguous (8 half channels per thread left a warp's atomics half-filling twice as many
  * sectors); plain f32 decoders with unsliced points 2 (VV = 2, G = C / 2: 8-byte loads and
- * atomics, twice the warps; v45). 5 blocks per multiprocessor: the register cap costs no spills
- * (sm_75 holds 4). */
+ * atomics, twice the warps; v45), their point loop software-pipelined (PIPE: each point's
+ * gathers issued one point ahead; v51). 5 blocks per multiprocessor: the register cap costs no
+ * spills (sm_75 holds 4). */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MSDA_BWD_MIN_BLOCKS 4
 #else
@@ -757,13 +768,45 @@ __device__ __forceinline__ void scatter_corner(float *grad_value, T *grad_value_
     else atomic_add_vec<V>(grad_value + off, contrib);
 }
 
+/* The V channels of a point's 4 corners at offsets o4 (zeros for a corner outside, or all
+ * zeros where !on). */
+template <typename T, int V>
+__device__ __forceinline__ void gather_point(const T *value, int4 o4, bool on, float (&v)[4][V]) {
+    const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        if (on && o[c] >= 0) {
+            load_vec(value + (unsigned)o[c], v[c]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) v[c][j] = 0.f;
+        }
+    }
+}
+
+/* A point's sums over its group's channels (v: its corners): {dL/dA, then the x and y location
+ * sums before their scaling by A and the level's size}. */
+template <int G, int V>
+__device__ __forceinline__ float3 point_sums(const float (&go)[V], const float (&w)[4], float fx,
+                                             float fy, const float (&v)[4][V]) {
+    float s_a = 0.f, s_x = 0.f, s_y = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+        s_a += go[j] * (w[0] * v[0][j] + w[1] * v[1][j] + w[2] * v[2][j] + w[3] * v[3][j]);
+        s_x += go[j] * ((1.f - fy) * (v[1][j] - v[0][j]) + fy * (v[3][j] - v[2][j]));
+        s_y += go[j] * ((1.f - fx) * (v[2][j] - v[0][j]) + fx * (v[3][j] - v[1][j]));
+    }
+    return make_float3(group_sum<G>(s_a), group_sum<G>(s_x), group_sum<G>(s_y));
+}
+
 /* SPLIT (v43; plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
  * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
  * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
-template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4>
+template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4, bool PIPE = false>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr int V = VV;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
+    static_assert(!(PIPE && (DET || OPT || SPLIT)), "PIPE is for plain problems");
     typedef Stage<G> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
@@ -817,6 +860,37 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
                                            s_offs, s_geo);
             __syncthreads();
+            if constexpr (PIPE) {
+                /* v51: point k + 1's gathers issued before point k's atomics and sums (one
+                 * dependent round trip a point otherwise); only the gathered corners are
+                 * carried over, the rest of point k is read again from shared memory. */
+                float vc[4][V];
+                gather_point<T, V>(value, s_offs[local * St::STRIDE], point_grads, vc);
+                for (int k = 0; k < kn; k++) {
+                    float vn[4][V];
+                    gather_point<T, V>(value, s_offs[local * St::STRIDE + (k + 1 < kn ? k + 1 : k)],
+                                       point_grads && k + 1 < kn, vn);
+                    const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
+                    if (grad_value) {
+#pragma unroll
+                        for (int c = 0; c < 4; c++)
+                            if (pt.o[c] >= 0)
+                                scatter_corner<T, NATIVE, V>(grad_value, grad_value_t,
+                                                             (unsigned)pt.o[c], pt.a * pt.w[c], go);
+                    }
+                    if (point_grads) {
+                        const float3 sums = point_sums<G, V>(go, pt.w, pt.fx, pt.fy, vc);
+                        const bool hit = pt.o[0] >= 0 || pt.o[1] >= 0 || pt.o[2] >= 0 || pt.o[3] >= 0;
+                        if (g == 0)
+                            s_sums[local * St::STRIDE + k] =
+                                make_float4(sums.x, sums.y, sums.z, hit ? 1.f : 0.f);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+#pragma unroll
+                        for (int j = 0; j < V; j++) vc[c][j] = vn[c][j];
+                }
+            } else
             /* Every lane runs the same trip count (items past the end have no inside corners),
              * so the group shuffles below see all their lanes. */
             for (int k = 0; k < kn; k++) {
@@ -845,16 +919,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     }
                 }
                 if (!point_grads) continue;
-                float s_a = 0.f, s_x = 0.f, s_y = 0.f;
-#pragma unroll
-                for (int j = 0; j < V; j++) {
-                    s_a += go[j] * (w[0] * v[0][j] + w[1] * v[1][j] + w[2] * v[2][j] + w[3] * v[3][j]);
-                    s_x += go[j] * ((1.f - fy) * (v[1][j] - v[0][j]) + fy * (v[3][j] - v[2][j]));
-                    s_y += go[j] * ((1.f - fx) * (v[2][j] - v[0][j]) + fx * (v[3][j] - v[1][j]));
-                }
-                s_a = group_sum<G>(s_a);
-                s_x = group_sum<G>(s_x);
-                s_y = group_sum<G>(s_y);
+                const float3 sums = point_sums<G, V>(go, w, fx, fy, v);
+                const float s_a = sums.x, s_x = sums.y, s_y = sums.z;
                 if (softmax) dot += a * s_a;
                 /* .w marks a point with a corner inside: only those scale by A (a non-finite A
                  * of a point outside must leave its zero gradients zero, as on the CPU). */
@@ -1593,11 +1659,12 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
     if (e != cudaSuccess) return e;
     if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
         /* v45: plain f32 decoders whose points are not sliced take 2 channels a thread (twice
-         * the threads, 8-byte loads and atomics) */
+         * the threads, 8-byte loads and atomics), pipelined (v51) */
         if (!opt && grid.y == 1 && !aggregates(pr)) {
             const unsigned int blocks2 = item_blocks(pr->B * pr->Q * pr->H, 256 / (2 * G));
             const dim3 grid2(blocks2, point_slices(pr, blocks2));
-            msda_backward_fast<T, 2 * G, false, false, false, 2><<<grid2, 256, 0, stream>>>(*pr);
+            msda_backward_fast<T, 2 * G, false, false, false, 2, true>
+                <<<grid2, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
     }
