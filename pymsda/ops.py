@@ -95,10 +95,31 @@ def _aligned_contiguous(t):
     return t
 
 
+def _env_reader(name):
+    """A function that returns os.environ.get(name). It looks the name up in os.environ's own
+    mapping with the key encoded once: os.environ.get encodes it on every call (about 0.8 us, a
+    cost every call with tables on the GPU would pay). Falls back to os.environ.get where
+    os.environ is laid out otherwise."""
+    env = os.environ
+    try:
+        data, key, decode = env._data, env.encodekey(name), env.decodevalue
+        data.get(key)
+    except Exception:  # another Python's os.environ
+        return lambda: env.get(name)
+
+    def read():
+        raw = data.get(key)
+        return None if raw is None else decode(raw)
+    return read
+
+
+_validate_env = _env_reader("PYMSDA_VALIDATE")
+
+
 def _validating(validate):
-    """validate, or PYMSDA_VALIDATE=1. Only asked where it changes something (tables on the
-    GPU), so the common call does not pay for an environment lookup."""
-    return validate or os.environ.get("PYMSDA_VALIDATE", "") == "1"
+    """validate, or PYMSDA_VALIDATE=1 (read on every call, so setting it later counts). Only
+    asked where it changes something (tables on the GPU)."""
+    return validate or _validate_env() == "1"
 
 
 def _check_tensors(value, sampling_locations, attention_weights, per_level):
@@ -414,29 +435,38 @@ def _host_pairs(spatial_shapes, device, validate=False):
 
 
 # Level tables of spatial_shapes (and level_start_index) given as tensors, per (id of each,
-# value's device): (spatial_shapes, level_start_index, a state of each, _Levels). The entry
-# holds the tensors, so their ids stay theirs while it lives. A table read on the host has its
-# numbers as its state (tolist() costs about 0.4 us, and a change through .data leaves the
-# version counter alone); a device table is remembered only where the library reads the
-# caller's tensor itself (no copy, no derived starts), so a change of its numbers is seen
-# anyway, and its state is (data pointer, version). Models pass the same two tensors to
+# value's device): (spatial_shapes, level_start_index, whether each was read on the host, a
+# state of each, _Levels, whether either lives on a device). The entry holds the tensors, so
+# their ids stay theirs while it lives. A table read on the host has its numbers as its state
+# (tolist() costs about 0.4 us, and a change through .data leaves the version counter alone);
+# a device table is remembered only where the library reads the caller's tensor itself (no
+# copy, no derived starts), so a change of its numbers is seen anyway, and its state is (data
+# pointer, version). Where a table is is settled when it is remembered (t.device.type costs
+# about 0.3 us a call); should .data later move a table, a host table's numbers are still
+# compared, and a device table's pointer no longer matches. Models pass the same two tensors to
 # every layer of a forward; a few entries are enough.
 _tensor_levels_cache = {}
 
 
-def _table_state(t):
+def _table_state(t, host):
     if t is None:
         return None
-    return t.tolist() if t.device.type == "cpu" else (t.data_ptr(), t._version)
+    return t.tolist() if host else (t.data_ptr(), t._version)
+
+
+def _on_host(t):
+    return t is None or t.device.type == "cpu"
 
 
 def _remember_tensor_levels(spatial_shapes, level_start_index, device, levels):
     if levels.host is None and not (levels.shapes is spatial_shapes
                                     and levels.starts is level_start_index):
         return  # copies or derived starts: a change of the caller's table would go unseen
+    host = (_on_host(spatial_shapes), _on_host(level_start_index))
     try:
-        entry = (spatial_shapes, level_start_index, _table_state(spatial_shapes),
-                 _table_state(level_start_index), levels)
+        entry = (spatial_shapes, level_start_index, host[0], host[1],
+                 _table_state(spatial_shapes, host[0]), _table_state(level_start_index, host[1]),
+                 levels, not all(host))
     except RuntimeError:  # an inference tensor has no version counter
         return
     if len(_tensor_levels_cache) >= 16:
@@ -448,13 +478,12 @@ def _remembered_tensor_levels(spatial_shapes, level_start_index, device):
     """The _Levels of an earlier call with these very tables, unchanged since; or None."""
     entry = _tensor_levels_cache.get((id(spatial_shapes), id(level_start_index), device))
     if (entry is None or entry[0] is not spatial_shapes or entry[1] is not level_start_index
-            or _table_state(spatial_shapes) != entry[2]
-            or _table_state(level_start_index) != entry[3]):
+            or _table_state(spatial_shapes, entry[2]) != entry[4]
+            or _table_state(level_start_index, entry[3]) != entry[5]):
         return None
-    levels = entry[4]
-    if (levels.host is None or level_start_index is not None) and _validating(False):
+    if entry[7] and _validating(False):
         return None  # PYMSDA_VALIDATE=1: tables on the device are read on every call
-    return levels
+    return entry[6]
 
 
 def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False):

@@ -446,6 +446,22 @@ def test_validate_flag_and_environment_variable_accepted_on_cpu(generator, monke
         run_msda(inputs, level_start_index=torch.tensor([0, 19]))
 
 
+def test_environment_variable_is_read_on_every_call(monkeypatch):
+    # The op reads PYMSDA_VALIDATE through its own lookup of os.environ (ops._env_reader):
+    # setting, changing and removing it after import must all count.
+    from pymsda import ops
+    monkeypatch.delenv("PYMSDA_VALIDATE", raising=False)
+    assert not ops._validating(False)
+    monkeypatch.setenv("PYMSDA_VALIDATE", "1")
+    assert ops._validating(False)
+    monkeypatch.setenv("PYMSDA_VALIDATE", "0")
+    assert not ops._validating(False)
+    monkeypatch.setenv("PYMSDA_VALIDATE", "1")
+    monkeypatch.delenv("PYMSDA_VALIDATE")
+    assert not ops._validating(False)
+    assert ops._validating(True)
+
+
 def test_validate_is_keyword_only():
     with pytest.raises(TypeError):
         pymsda.ms_deform_attn(None, None, None, None, None, None, True)
