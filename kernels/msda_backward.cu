@@ -510,6 +510,16 @@
  *      margin: even a grid without a partial last wave would leave dino_dec900 near 0.075 ms,
  *      not 0.060. <- shipped (the carried-corners form; plain f32 decoders with unsliced
  *      points, as v45)
+ *   v52 (decoders, half types) v51's pipelining in the 4-channel per-point kernel, the next
+ *      point's corners carried as their raw 8-byte words and widened only when used (widened at
+ *      the gather, the loop would wait for the loads there); the f32 kernel's corners through
+ *      the same code (its machine code reordered, same instruction count). H100, alternated
+ *      twice in one call, ms, dino_dec900 / rtdetr_dec_b8:
+ *        bf16  0.0514-0.0518 / 0.0626-0.0632 -> 0.0479-0.0483 / 0.0628-0.0630
+ *        f16   0.0511-0.0516 / 0.0611-0.0612 -> 0.0610-0.0613 / 0.0719-0.0721 (24 bytes of
+ *              spills; bf16 8)
+ *        f32   0.0783-0.0784 / 0.0990 -> 0.0784-0.0785 / 0.0991-0.0992
+ *      <- shipped for bf16 (f16 keeps v45's loop)
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
@@ -728,8 +738,8 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
  * a group contiguous (8 half channels per thread left a warp's atomics half-filling twice as many
  * sectors); plain f32 decoders with unsliced points 2 (VV = 2, G = C / 2: 8-byte loads and
  * atomics, twice the warps; v45), their point loop software-pipelined (PIPE: each point's
- * gathers issued one point ahead; v51). 5 blocks per multiprocessor: the register cap costs no
- * spills (sm_75 holds 4). */
+ * gathers issued one point ahead; v51), as is that of plain bf16 decoders (v52). 5 blocks per
+ * multiprocessor: the register cap costs no spills (sm_75 holds 4). */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MSDA_BWD_MIN_BLOCKS 4
 #else
@@ -799,6 +809,45 @@ __device__ __forceinline__ float3 point_sums(const float (&go)[V], const float (
     return make_float3(group_sum<G>(s_a), group_sum<G>(s_x), group_sum<G>(s_y));
 }
 
+/* A point's gathered corners as PIPE carries them to the next iteration: f32 as floats; half
+ * types as the raw 8-byte words, widened only when used (widening at the gather would wait for
+ * the loads there, which is what the pipelining avoids). */
+template <typename T, int V, bool HALF = IsHalf<T>::value> struct Carried {
+    float v[4][V];
+    __device__ __forceinline__ void gather(const T *value, int4 o4, bool on) {
+        gather_point<T, V>(value, o4, on, v);
+    }
+    __device__ __forceinline__ void widen(float (&out)[4][V]) const {
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+#pragma unroll
+            for (int j = 0; j < V; j++) out[c][j] = v[c][j];
+    }
+};
+template <typename T> struct Carried<T, 4, true> {
+    uint2 r[4];
+    __device__ __forceinline__ void gather(const T *value, int4 o4, bool on) {
+        const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            r[c] = on && o[c] >= 0 ? __ldg(reinterpret_cast<const uint2 *>(value + (unsigned)o[c]))
+                                   : make_uint2(0u, 0u);
+    }
+    __device__ __forceinline__ void widen(float (&out)[4][4]) const {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            if constexpr (std::is_same<T, __half>::value) {
+                const __half2 *h = reinterpret_cast<const __half2 *>(&r[c]);
+                const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+                out[c][0] = a.x, out[c][1] = a.y, out[c][2] = b.x, out[c][3] = b.y;
+            } else {
+                bf16x2_to_float(r[c].x, out[c][0], out[c][1]);
+                bf16x2_to_float(r[c].y, out[c][2], out[c][3]);
+            }
+        }
+    }
+};
+
 /* SPLIT (v43; plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
  * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
  * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
@@ -864,12 +913,14 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 /* v51: point k + 1's gathers issued before point k's atomics and sums (one
                  * dependent round trip a point otherwise); only the gathered corners are
                  * carried over, the rest of point k is read again from shared memory. */
-                float vc[4][V];
-                gather_point<T, V>(value, s_offs[local * St::STRIDE], point_grads, vc);
+                Carried<T, V> cur;
+                cur.gather(value, s_offs[local * St::STRIDE], point_grads);
                 for (int k = 0; k < kn; k++) {
-                    float vn[4][V];
-                    gather_point<T, V>(value, s_offs[local * St::STRIDE + (k + 1 < kn ? k + 1 : k)],
-                                       point_grads && k + 1 < kn, vn);
+                    Carried<T, V> nxt;
+                    nxt.gather(value, s_offs[local * St::STRIDE + (k + 1 < kn ? k + 1 : k)],
+                               point_grads && k + 1 < kn);
+                    float vc[4][V];
+                    cur.widen(vc);
                     const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
                     if (grad_value) {
 #pragma unroll
@@ -885,10 +936,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                             s_sums[local * St::STRIDE + k] =
                                 make_float4(sums.x, sums.y, sums.z, hit ? 1.f : 0.f);
                     }
-#pragma unroll
-                    for (int c = 0; c < 4; c++)
-#pragma unroll
-                        for (int j = 0; j < V; j++) vc[c][j] = vn[c][j];
+                    cur = nxt;
                 }
             } else
             /* Every lane runs the same trip count (items past the end have no inside corners),
@@ -1665,6 +1713,13 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
             const dim3 grid2(blocks2, point_slices(pr, blocks2));
             msda_backward_fast<T, 2 * G, false, false, false, 2, true>
                 <<<grid2, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        }
+    }
+    if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value) {
+        /* v52: plain bf16 decoders with unsliced points pipelined as v51 (f16 lost with it) */
+        if (!opt && grid.y == 1 && !aggregates(pr)) {
+            msda_backward_fast<T, G, false, false, false, 4, true><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
     }
