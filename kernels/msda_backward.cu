@@ -809,10 +809,10 @@ __device__ __forceinline__ float3 point_sums(const float (&go)[V], const float (
     return make_float3(group_sum<G>(s_a), group_sum<G>(s_x), group_sum<G>(s_y));
 }
 
-/* A point's gathered corners as PIPE carries them to the next iteration: f32 as floats; half
- * types as the raw 8-byte words, widened only when used (widening at the gather would wait for
- * the loads there, which is what the pipelining avoids). */
-template <typename T, int V, bool HALF = IsHalf<T>::value> struct Carried {
+/* A point's gathered corners as PIPE carries them to the next iteration: f32 as floats; bf16
+ * as the raw 8-byte words, widened only when used (widening at the gather would wait for the
+ * loads there, which is what the pipelining avoids; f16 is not pipelined, v52). */
+template <typename T, int V> struct Carried {
     float v[4][V];
     __device__ __forceinline__ void gather(const T *value, int4 o4, bool on) {
         gather_point<T, V>(value, o4, on, v);
@@ -824,9 +824,9 @@ template <typename T, int V, bool HALF = IsHalf<T>::value> struct Carried {
             for (int j = 0; j < V; j++) out[c][j] = v[c][j];
     }
 };
-template <typename T> struct Carried<T, 4, true> {
+template <> struct Carried<__nv_bfloat16, 4> {
     uint2 r[4];
-    __device__ __forceinline__ void gather(const T *value, int4 o4, bool on) {
+    __device__ __forceinline__ void gather(const __nv_bfloat16 *value, int4 o4, bool on) {
         const int o[4] = {o4.x, o4.y, o4.z, o4.w};
 #pragma unroll
         for (int c = 0; c < 4; c++)
@@ -836,14 +836,8 @@ template <typename T> struct Carried<T, 4, true> {
     __device__ __forceinline__ void widen(float (&out)[4][4]) const {
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            if constexpr (std::is_same<T, __half>::value) {
-                const __half2 *h = reinterpret_cast<const __half2 *>(&r[c]);
-                const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-                out[c][0] = a.x, out[c][1] = a.y, out[c][2] = b.x, out[c][3] = b.y;
-            } else {
-                bf16x2_to_float(r[c].x, out[c][0], out[c][1]);
-                bf16x2_to_float(r[c].y, out[c][2], out[c][3]);
-            }
+            bf16x2_to_float(r[c].x, out[c][0], out[c][1]);
+            bf16x2_to_float(r[c].y, out[c][2], out[c][3]);
         }
     }
 };
