@@ -519,6 +519,9 @@
  *        f16   0.0511-0.0516 / 0.0611-0.0612 -> 0.0610-0.0613 / 0.0719-0.0721 (24 bytes of
  *              spills; bf16 8)
  *        f32   0.0783-0.0784 / 0.0990 -> 0.0784-0.0785 / 0.0991-0.0992
+ *      f16 widened a word at a time inside the sums instead (8 bytes of spills), alternated
+ *      twice in another call: 0.0512-0.0514 / 0.0615-0.0616 -> 0.0479-0.0483 / 0.0628-0.0631
+ *      (bf16 unchanged, the same code): mixed, not shipped.
  *      <- shipped for bf16 (f16 keeps v45's loop)
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
