@@ -523,6 +523,22 @@
  *      twice in another call: 0.0512-0.0514 / 0.0615-0.0616 -> 0.0479-0.0483 / 0.0628-0.0631
  *      (bf16 unchanged, the same code): mixed, not shipped.
  *      <- shipped for bf16 (f16 keeps v45's loop)
+ *   v53 (decoders, f32) the aggregated kernel on decoders again, with its points sliced over
+ *      gridDim.y (3 or 4 slices: 3-4x the blocks; its 64-query blocks filled a third of the
+ *      resident slots; 4 slices are one level each at dino_dec900, 3 at rtdetr_dec_b8) and on
+ *      queries ordered first by where they sample (the bench's inputs permuted along Q by the
+ *      Z-order of each query's mean location on a 64 x 64 grid, in Python: the best a sort
+ *      kernel could give, minus its time). H100, ms, one call
+ *      (a library with the choice behind a variable), random / sorted queries:
+ *                                dino_dec900       rtdetr_dec_b8
+ *        shipped (v52), twice    0.077 / 0.076     0.099 / 0.098
+ *                                0.078 / 0.078     0.099 / 0.102
+ *        aggregated, unsliced    0.136 / 0.095     0.139 / 0.109
+ *        aggregated, 3 slices    0.128 / 0.101     0.132 / 0.118
+ *        aggregated, 4 slices    0.100 / 0.094-0.105   0.144-0.152 / 0.128
+ *      (two 4-slice runs: outliers of 0.23 and 0.52 left out). Sorting alone leaves the
+ *      shipped kernel where it was (as in v26); with the aggregated kernel it gains 20-30%
+ *      but stays 11-22% above the per-point kernel, and slicing does not pay. Not shipped.
  *   Uniform locations (no reuse, the worst case): ddetr_enc 1.224 ms against v4's 0.835 (m2f
  *   1.123 vs 0.676): where rows do not repeat, the table is pure overhead. Trained models keep
  *   their offsets local (the realistic distribution), so encoders take v12.
