@@ -53,7 +53,7 @@ CUDA_OBJS   := $(BUILD)/cuda_stub.o
 CUDA_LIBS   :=
 endif
 
-C_OBJS := $(BUILD)/msda.o $(BUILD)/cpu_kernels.o $(BUILD)/cpu_general.o
+C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_kernels.o $(BUILD)/cpu_general.o
 
 # ---- targets -----------------------------------------------------------------------------------
 .PHONY: all info test test-c clean

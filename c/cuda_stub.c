@@ -29,3 +29,9 @@ int msda_cuda_level_starts(int64_t L, int64_t S, int index_dtype, int device,
     return msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_level_starts: this build has no CUDA "
                           "kernels");
 }
+
+int msda_cuda_device_facts(int device, int *multiprocessors, int *sm90_code) {
+    (void)device, (void)multiprocessors, (void)sm90_code;
+    return msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_backward_route: this build has no CUDA "
+                          "kernels to ask a device (give multiprocessors and sm90_code)");
+}

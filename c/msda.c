@@ -298,6 +298,36 @@ int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t
     return msda_needs_general(&pr) ? msda_cpu_backward_general(&pr) : msda_cpu_backward(&pr);
 }
 
+int msda_backward_route(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                        int64_t P, int dtype, const int64_t *level_points, int flags, int grads,
+                        int aligned16, int device, int multiprocessors, int sm90_code) {
+    static const char fn[] = "msda_backward_route";
+    last_error[0] = '\0';
+    /* the gradients wanted stand for themselves as non-NULL pointers: only their presence and
+     * (aligned16) their alignment matter to the choice */
+    static char wanted;
+    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
+                       .flags = flags, .dtype = dtype, .device = device,
+                       .grad_value = grads & 1 ? &wanted : NULL,
+                       .grad_sampling_locations = grads & 2 ? &wanted : NULL,
+                       .grad_attention_weights = grads & 4 ? &wanted : NULL};
+    if (grads & ~7)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: grads = %d has bits outside 1 | 2 "
+                              "| 4", fn, grads), -1;
+    const int explicit_device = multiprocessors > 0 && sm90_code >= 0;
+    if (explicit_device) pr.device = -1; /* the facts are given: no device is asked */
+    if (check_problem(fn, &pr, level_points) != MSDA_OK) return -1;
+    if (!explicit_device) {
+        if (device < 0)
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: device %d: give a CUDA device "
+                                  "or its multiprocessors and sm90_code", fn, device), -1;
+        if (msda_cuda_device_facts(device, &multiprocessors, &sm90_code) != MSDA_OK) return -1;
+    }
+    msda_backward_plan plan;
+    msda_plan_backward(&pr, aligned16 != 0, multiprocessors, sm90_code != 0, &plan);
+    return plan.kernel | plan.modifiers;
+}
+
 /* The packed entry points (msda.h): unpack and call. */
 #define PACKED_PTR(a) ((void *)(intptr_t)(a))
 

@@ -83,7 +83,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 5
+#define MSDA_ABI_VERSION 6
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -167,6 +167,38 @@ MSDA_API int msda_backward_packed(const int64_t *args);
 MSDA_API int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C,
                                               int64_t L, int64_t Q, int64_t P, int dtype,
                                               int device, int flags);
+
+/* ---- which CUDA backward kernel serves a problem -------------------------------------------
+ * The CUDA backward chooses one route per call (c/routes.c) and launches it; this query says
+ * which, for tests and for users comparing timings. A route is one kernel value OR'ed with
+ * modifier bits. */
+typedef enum {
+    MSDA_ROUTE_NONE = 0,            /* B*Q = 0: grad_value is only zeroed                       */
+    MSDA_ROUTE_GENERIC = 1,         /* one warp per (b,q,h), 64-bit offsets: f64, C not 4 * 2^k
+                                       up to 128, over 2^31 elements, misaligned tensors         */
+    MSDA_ROUTE_POINT = 2,           /* fast per-point kernel (geometry staged in shared memory) */
+    MSDA_ROUTE_POINT_SLICED = 3,    /* per-point, each item's points split over blocks, loads
+                                       overlapping the zeroing of grad_value (few items)       */
+    MSDA_ROUTE_POINT_PIPELINED = 4, /* per-point, the next point's gathers issued ahead (plain
+                                       f32 and bf16 decoders)                                   */
+    MSDA_ROUTE_AGGREGATED = 5,      /* corners merged per value row in shared memory (encoders:
+                                       Q * L * P >= 2 * S)                                      */
+    MSDA_ROUTE_KERNEL_MASK = 0xff,
+    MSDA_ROUTE_DETERMINISTIC = 0x100,  /* grad_value summed in fixed point in the workspace     */
+    MSDA_ROUTE_F32_WORKSPACE = 0x200,  /* half grad_value summed in f32 in the workspace        */
+} msda_route;
+
+/* The route msda_backward takes for these sizes, dtype, per-level points and flags. grads: which
+ * gradients are wanted (1 grad_value, 2 grad_sampling_locations, 4 grad_attention_weights);
+ * aligned16: 1 when value, grad_output and grad_value are 16-byte aligned (torch's allocations
+ * are). The device: `multiprocessors` > 0 and `sm90_code` >= 0 state it (its multiprocessor
+ * count; 1 when the kernels it runs are code for sm_90 or newer), so the choice can be asked
+ * in any build; otherwise CUDA device `device` is asked. Returns the route (>= 0), or -1 with
+ * msda_last_error set for arguments msda_backward would refuse. */
+MSDA_API int msda_backward_route(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L,
+                                 int64_t Q, int64_t P, int dtype, const int64_t *level_points,
+                                 int flags, int grads, int aligned16, int device,
+                                 int multiprocessors, int sm90_code);
 
 /* level_start_index (L entries of index_dtype) derived from spatial_shapes where both tables
  * live: start_l = sum over j < l of H_j * W_j, for callers that have the shapes only on a GPU

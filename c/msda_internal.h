@@ -95,6 +95,38 @@ MSDA_HOST_DEVICE void msda_derive_level_starts(int64_t L, int64_t S, int index_d
 }
 #undef MSDA_HOST_DEVICE
 
+/* ---- the CUDA backward's route (c/routes.c; the launcher in kernels/ switches on it) ---------
+ * Constants the host plans with and the kernels are built with: the fast kernels' level table
+ * size, the blocks of the per-point kernel a multiprocessor holds (its launch bound), the most
+ * slices an item's points are split into. */
+#define MSDA_FAST_MAX_LEVELS 16
+#define MSDA_BWD_RESIDENT_BLOCKS 5
+#define MSDA_BWD_MAX_SLICES 8
+
+typedef struct {
+    int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_AGGREGATED (c/msda.h) */
+    int modifiers;  /* MSDA_ROUTE_DETERMINISTIC | MSDA_ROUTE_F32_WORKSPACE */
+    int group;      /* fast kernels: G = C / 4 threads an item (0 for the generic kernel) */
+    int slices;     /* gridDim.y: slices of each item's points */
+    unsigned int blocks; /* gridDim.x */
+} msda_backward_plan;
+
+/* G = C / 4 when the fast kernels' size conditions hold (f32/f16/bf16, C = 4 * G with G a power
+ * of two <= 32, B*S*H*C < 2^31, B*Q*H <= 2^31 - 1024, L <= MSDA_FAST_MAX_LEVELS), else 0. The caller also
+ * needs its tensors 16-byte aligned. */
+int msda_fast_group(const msda_problem *pr);
+/* Whether a half-precision grad_value is summed in an f32 buffer in the workspace: code older
+ * than sm_90 (no half-precision vector reductions), no MSDA_DETERMINISTIC, grad_value wanted. */
+int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code);
+/* The route of a checked backward problem. aligned16: value, grad_output and the grad_value
+ * the kernels write (the workspace with MSDA_ROUTE_F32_WORKSPACE) are 16-byte aligned;
+ * multiprocessors and sm90_code: facts of the device (its multiprocessor count, 0 if unknown;
+ * whether the code it runs is built for sm_90 or newer). */
+void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocessors,
+                        int sm90_code, msda_backward_plan *plan);
+/* The device facts above for CUDA device `device` (MSDA_ERR_UNSUPPORTED without CUDA). */
+int msda_cuda_device_facts(int device, int *multiprocessors, int *sm90_code);
+
 /* CUDA launchers (kernels/), or in a CPU-only build the stubs of c/cuda_stub.c. */
 int msda_cuda_forward(const msda_problem *pr);
 int msda_cuda_backward(const msda_problem *pr);

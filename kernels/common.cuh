@@ -280,7 +280,8 @@ static inline unsigned int warp_blocks(int64_t items) {
 //   offs: for each corner, the element offset of its channel 0 for this head, or -1 if outside;
 //   geo:  the 4 corner weights times A (forward), or {A, fx, fy, 0} (backward).
 // Conditions: T is float, __half or __nv_bfloat16; C = 4*G with G a power of two <= 32;
-// B*S < 2^31; value (and grad_value, output) 16-byte aligned. Otherwise the generic kernels run.
+// B*S*H*C < 2^31, B*Q*H <= 2^31 - 1024 (c/routes.c, msda_fast_group); value (and grad_value,
+// output) 16-byte aligned. Otherwise the generic kernels run.
 
 /* f64 always takes the generic kernels (no fast-path instantiation for it). */
 template <typename T> struct HasFast { static constexpr bool value = true; };
@@ -381,8 +382,6 @@ template <int G, int NT_ = 256> struct Stage {
     static constexpr int K = (512 / IPB) > 16 ? 16 : ((512 / IPB) < 2 ? 2 : 512 / IPB);
     static constexpr int STRIDE = K + 1; /* padded so groups in a warp hit different banks */
 };
-
-#define MSDA_FAST_MAX_LEVELS 16
 
 /* The fast kernels' level table, read into shared memory once per block as {H_l, W_l, start}.
  * A level whose sizes or start cannot belong to value (a side outside [1, 2^24], a start outside
@@ -642,19 +641,12 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
     }
 }
 
-/* G = C / 4 when the fast kernels can serve this problem, else 0. */
+/* G = C / 4 when the fast kernels can serve this problem (msda_fast_group) and the tensors in
+ * ptrs are 16-byte aligned, else 0. */
 static inline int fast_group(const msda_problem *pr, const void *const *ptrs, int n_ptrs) {
-    const int64_t V = 4;
-    if (pr->dtype == MSDA_F64 || pr->C % V != 0) return 0;
-    const int64_t G = pr->C / V;
-    if (G > 32 || (G & (G - 1)) != 0) return 0;
-    if (pr->B * pr->S * pr->H * pr->C >= ((int64_t)1 << 31) ||
-        pr->B * pr->Q * pr->H >= ((int64_t)1 << 31) || pr->L > MSDA_FAST_MAX_LEVELS ||
-        pr->NP >= ((int64_t)1 << 31))
-        return 0;
     for (int j = 0; j < n_ptrs; j++)
         if (ptrs[j] && ((uintptr_t)ptrs[j] & 15) != 0) return 0;
-    return (int)G;
+    return msda_fast_group(pr);
 }
 
 /* Blocks for a fast kernel of ipb items a block (256 / G with G threads per item; twice that in

@@ -554,7 +554,7 @@
  * newer, which has vector reductions of packed f16x2 / bf16x2 (red.global.add.noftz.v2 / .v4):
  * N f32 sums, each rounded once, go to N consecutive channels with one 8- or 16-byte
  * reduction. Older code accumulates in an f32 buffer (the workspace) that a last kernel
- * converts. The host asks which code runs on a device with native_half(). */
+ * converts. The host asks which code runs on a device with sm90_code(). */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MSDA_NATIVE_HALF 1
 #else
@@ -764,8 +764,6 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 #else
 #define MSDA_BWD_MIN_BLOCKS 5
 #endif
-#define MSDA_BWD_RESIDENT_BLOCKS 5 /* blocks per multiprocessor the host plans with */
-#define MSDA_BWD_MAX_SLICES 8
 /* Staged point k of item `local` (stage_chunk, backward form): its corners' offsets (-1:
  * outside), attention weight A, in-cell fraction and bilinear weights. */
 struct StagedPoint {
@@ -896,7 +894,10 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     const bool softmax = OPT && (pr.flags & MSDA_SOFTMAX);
     load_levels(pr, s_lvl);
     __syncthreads();
-    for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
+    /* unsigned: with more than 2^30 items, base + gridDim.x * IPB passes 2^31 - 1 (int would
+     * wrap negative and run again on items before the first), never 2^32 - 1 */
+    for (unsigned ub = blockIdx.x * St::IPB; ub < (unsigned)n_items; ub += gridDim.x * St::IPB) {
+        const int base = (int)ub;
         fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
         const int item = base + local, row = s_item[local].x;
@@ -1583,10 +1584,6 @@ static inline unsigned int flat_blocks(int64_t n) {
     return (unsigned int)(blocks < 1 ? 1 : blocks);
 }
 
-/* Slices of the points per item for the fast backward: a problem too small to fill the GPU
- * twice over (decoders: a few thousand queries) gives each block a slice of its items' points,
- * so more blocks run; the point gradients are per point and grad_value is atomic, so slices
- * need no reduction. Not with softmax (its logit gradient needs all of an item's points). */
 /* Multiprocessors of a device, asked once; 0 where the question fails. */
 static int sm_count(int device) {
     static int known[64];
@@ -1601,26 +1598,6 @@ static int sm_count(int device) {
     }
     return known[device];
 }
-
-static int point_slices(const msda_problem *pr, unsigned int blocks) {
-    if (pr->flags & MSDA_SOFTMAX) return 1;
-    const int sms = sm_count(pr->device);
-    if (sms == 0) return 1;
-    /* H100: slicing the 150 blocks of ddetr_dec (300 queries) in 4 took its backward from
-     * 0.056 to 0.044 ms; slicing the 450-600 blocks of dino_dec900 / rtdetr_dec_b8 in 3 gained
-     * nothing there (0.083 vs 0.082 ms) and lost 5% here (0.110 vs 0.105 ms). */
-    if ((int64_t)blocks >= 2LL * sms) return 1;
-    const int64_t want = (int64_t)sms * MSDA_BWD_RESIDENT_BLOCKS;
-    int64_t slices = (want + blocks - 1) / blocks;
-    if (slices > pr->NP / 4) slices = pr->NP / 4; /* at least 4 points a slice */
-    if (slices > MSDA_BWD_MAX_SLICES) slices = MSDA_BWD_MAX_SLICES;
-    return slices < 1 ? 1 : (int)slices;
-}
-
-/* The aggregated backward pays for its hash table only where rows repeat within a block:
- * encoders (each pixel's query samples around its own pixel, Q * NP >= 2 * S), not decoders
- * (a few hundred scattered queries; there it measured 15-20% slower than msda_backward_fast). */
-static inline bool aggregates(const msda_problem *pr) { return pr->Q * pr->NP >= 2 * pr->S; }
 
 /* Whether the kernels that run on `device` are code for sm_90 or newer (half-precision vector
  * reductions, programmatic dependent launch). The code a device runs is the build's machine
@@ -1643,9 +1620,18 @@ static bool sm90_code(int device) {
     return known[device] == 2;
 }
 
-/* Whether the backward kernels that run on `device` add half-precision sums into grad_value
- * directly (NativeHalf), else into an f32 buffer in the workspace. */
-static bool native_half(int device) { return sm90_code(device); }
+static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
+static msda_backward_plan plan_of(const msda_problem *pr) {
+    const bool sm90 = sm90_code(pr->device);
+    /* with MSDA_ROUTE_F32_WORKSPACE the kernels write the workspace instead of grad_value */
+    const void *written = msda_backward_f32_workspace(pr, sm90) ? pr->workspace : pr->grad_value;
+    msda_backward_plan plan;
+    msda_plan_backward(pr, aligned16(pr->value) && aligned16(pr->grad_output) && aligned16(written),
+                       sm_count(pr->device), sm90, &plan);
+    return plan;
+}
 
 /* The first `bytes` of grad_value = 0 on the stream (nothing to do for 0 bytes or without
  * grad_value). In the launchers below `bytes` is what is still to be zeroed: 0 when the caller
@@ -1657,15 +1643,14 @@ static cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cuda
 
 /* grad_value (`bytes` of it) = 0 before `kernel`, then `kernel`: with sm_90 code, 16-byte
  * multiples and alignment, by zero_kernel and a programmatic dependent launch of `kernel`
- * (which must call grid_dep_wait before its first scatter: the aggregated kernel); otherwise
- * by memset_grad_value first. */
+ * (which must call grid_dep_wait before its first scatter); otherwise by memset_grad_value
+ * first. */
 static cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
                                     const msda_problem *pr, cudaStream_t stream) {
     bool pdl = false;
     if (bytes > 0 && pr->grad_value) {
         const int sms = sm_count(pr->device);
-        if (bytes % 16 == 0 && ((uintptr_t)pr->grad_value & 15) == 0 && sms > 0 &&
-            sm90_code(pr->device)) {
+        if (bytes % 16 == 0 && aligned16(pr->grad_value) && sms > 0 && sm90_code(pr->device)) {
             const int64_t n16 = bytes / 16, want = (n16 + MSDA_ZERO_THREADS - 1) / MSDA_ZERO_THREADS;
             zero_kernel<<<(unsigned int)(want < sms ? want : sms), MSDA_ZERO_THREADS, 0,
                           stream>>>((float4 *)pr->grad_value, n16);
@@ -1687,18 +1672,18 @@ static cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int
     return cudaLaunchKernelEx(&cfg, kernel, *pr);
 }
 
+/* The fast kernels of a plan (G = plan.group): one case per route. A route this instantiation
+ * does not build (the plan and the if constexpr below disagree) is a library bug. */
 template <typename T, int G, bool DET>
-static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int64_t bytes) {
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, 256 / G);
-    const dim3 grid(blocks, point_slices(pr, blocks));
+static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan &plan,
+                               cudaStream_t stream, int64_t bytes) {
+    const dim3 grid(plan.blocks, plan.slices);
     const bool opt = msda_needs_general(pr);
-    if constexpr (G >= 4) {
-        /* not with DET and softmax: the logit gradient's per-item sum is a float atomic there */
-        if (aggregates(pr) && !(DET && (pr->flags & MSDA_SOFTMAX))) {
+    switch (plan.kernel) {
+    case MSDA_ROUTE_AGGREGATED:
+        if constexpr (G >= 4) {
             const bool full = pr->grad_value && pr->grad_sampling_locations &&
                               pr->grad_attention_weights;
-            const unsigned int agg_blocks = item_blocks(pr->B * pr->Q * pr->H, StageAgg<G>::IPB);
-            const dim3 grid(agg_blocks, point_slices(pr, agg_blocks));
             if (opt)
                 return zero_then_launch(msda_backward_agg<T, G, true, DET, false>, grid, bytes,
                                         pr, stream);
@@ -1710,88 +1695,84 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream, int6
             return zero_then_launch(msda_backward_agg<T, G, false, DET, false>, grid, bytes, pr,
                                     stream);
         }
-    }
-    if constexpr (!DET) { /* v43: sliced points overlap their loads with the zeroing */
-        if (grid.y > 1 && !opt)
+        break;
+    case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing (SPLIT) */
+        if constexpr (!DET)
             return zero_then_launch(msda_backward_fast<T, G, false, false, true>, grid, bytes,
                                     pr, stream);
-    }
-    const cudaError_t e = memset_grad_value(pr, bytes, stream);
-    if (e != cudaSuccess) return e;
-    if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
-        /* v45: plain f32 decoders whose points are not sliced take 2 channels a thread (twice
-         * the threads, 8-byte loads and atomics), pipelined (v51) */
-        if (!opt && grid.y == 1 && !aggregates(pr)) {
-            const unsigned int blocks2 = item_blocks(pr->B * pr->Q * pr->H, 256 / (2 * G));
-            const dim3 grid2(blocks2, point_slices(pr, blocks2));
-            msda_backward_fast<T, 2 * G, false, false, false, 2, true>
-                <<<grid2, 256, 0, stream>>>(*pr);
+        break;
+    case MSDA_ROUTE_POINT_PIPELINED:
+        if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
+            /* f32: 2 channels a thread (G = 2 * C / 4 threads an item) */
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
+            if (e != cudaSuccess) return e;
+            msda_backward_fast<T, 2 * G, false, false, false, 2, true><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
-        }
-    }
-    if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value) {
-        /* v52: plain bf16 decoders with unsliced points pipelined as v51 (f16 lost with it) */
-        if (!opt && grid.y == 1 && !aggregates(pr)) {
+        } else if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value) {
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
+            if (e != cudaSuccess) return e;
             msda_backward_fast<T, G, false, false, false, 4, true><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
+        break;
+    case MSDA_ROUTE_POINT: {
+        const cudaError_t e = memset_grad_value(pr, bytes, stream);
+        if (e != cudaSuccess) return e;
+        if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
+        else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
+        return cudaSuccess;
     }
-    if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
-    else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
-    return cudaSuccess;
+    default: break;
+    }
+    return cudaErrorNotSupported;
 }
 
 template <typename T, bool DET>
-static cudaError_t launch_kernels(const msda_problem *pr, cudaStream_t stream, int64_t bytes) {
+static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_plan &plan,
+                                  cudaStream_t stream, int64_t bytes) {
     if constexpr (HasFast<T>::value) {
-        const void *ptrs[] = {pr->value, pr->grad_output, pr->grad_value};
-        switch (fast_group(pr, ptrs, 3)) {
-        case 1: return launch_fast<T, 1, DET>(pr, stream, bytes);
-        case 2: return launch_fast<T, 2, DET>(pr, stream, bytes);
-        case 4: return launch_fast<T, 4, DET>(pr, stream, bytes);
-        case 8: return launch_fast<T, 8, DET>(pr, stream, bytes);
-        case 16: return launch_fast<T, 16, DET>(pr, stream, bytes);
-        case 32: return launch_fast<T, 32, DET>(pr, stream, bytes);
+        switch (plan.group) {
+        case 1: return launch_fast<T, 1, DET>(pr, plan, stream, bytes);
+        case 2: return launch_fast<T, 2, DET>(pr, plan, stream, bytes);
+        case 4: return launch_fast<T, 4, DET>(pr, plan, stream, bytes);
+        case 8: return launch_fast<T, 8, DET>(pr, plan, stream, bytes);
+        case 16: return launch_fast<T, 16, DET>(pr, plan, stream, bytes);
+        case 32: return launch_fast<T, 32, DET>(pr, plan, stream, bytes);
         default: break;
         }
     }
+    if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
     msda_backward_kernel<T, DET><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
-/* Bytes of f32 accumulation buffer a half type's grad_value needs in the workspace (0 with
- * NativeHalf or without grad_value). */
-static int64_t half_buffer_bytes(const msda_problem *pr) {
-    if (pr->dtype != MSDA_F16 && pr->dtype != MSDA_BF16) return 0;
-    if (pr->flags & MSDA_DETERMINISTIC || native_half(pr->device)) return 0;
-    return pr->B * pr->S * pr->H * pr->C * 4;
-}
-
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
     const int64_t n_value = pr->B * pr->S * pr->H * pr->C;
-    if (!(pr->flags & MSDA_DETERMINISTIC) || !pr->grad_value || pr->B * pr->Q == 0) {
+    const msda_backward_plan plan = plan_of(pr);
+    if (plan.modifiers & MSDA_ROUTE_F32_WORKSPACE) {
         if constexpr (IsHalf<T>::value) {
-            if (pr->grad_value && half_buffer_bytes(pr) > 0) {
-                /* the kernels scatter into the f32 buffer, then it is converted */
-                msda_problem buffered = *pr;
-                buffered.grad_value = pr->workspace;
-                cudaError_t e = cudaMemsetAsync(pr->workspace, 0, (size_t)n_value * 4, stream);
-                if (e == cudaSuccess && pr->B * pr->Q > 0)
-                    e = launch_kernels<T, false>(&buffered, stream, 0);
-                if (e != cudaSuccess) return e;
-                half_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
-                return cudaSuccess;
-            }
+            /* the kernels scatter into the f32 buffer, then it is converted */
+            msda_problem buffered = *pr;
+            buffered.grad_value = pr->workspace;
+            cudaError_t e = cudaMemsetAsync(pr->workspace, 0, (size_t)n_value * 4, stream);
+            if (e == cudaSuccess && plan.kernel != MSDA_ROUTE_NONE)
+                e = launch_kernels<T, false>(&buffered, plan, stream, 0);
+            if (e != cudaSuccess) return e;
+            half_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
+            return cudaSuccess;
         }
-        if (pr->B * pr->Q == 0) return memset_grad_value(pr, n_value * (int64_t)sizeof(T), stream);
-        return launch_kernels<T, false>(pr, stream, n_value * (int64_t)sizeof(T));
+        return cudaErrorNotSupported;
     }
+    if (plan.kernel == MSDA_ROUTE_NONE)
+        return memset_grad_value(pr, n_value * (int64_t)sizeof(T), stream);
+    if (!(plan.modifiers & MSDA_ROUTE_DETERMINISTIC))
+        return launch_kernels<T, false>(pr, plan, stream, n_value * (int64_t)sizeof(T));
     cudaError_t e = cudaMemsetAsync(pr->workspace, 0, MSDA_DET_HEADER_BYTES + (size_t)n_value * 8, stream);
     if (e != cudaSuccess) return e;
     det_scan_kernel<T><<<flat_blocks(pr->B * pr->Q * pr->H * pr->C), 256, 0, stream>>>(*pr);
-    e = launch_kernels<T, true>(pr, stream, 0);
+    e = launch_kernels<T, true>(pr, plan, stream, 0);
     if (e != cudaSuccess) return e;
     det_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
     return cudaSuccess;
@@ -1819,7 +1800,25 @@ extern "C" int msda_cuda_backward(const msda_problem *pr) {
 
 extern "C" int64_t msda_cuda_workspace_size(const msda_problem *pr) {
     /* MSDA_DETERMINISTIC: the header, then one 64-bit fixed-point accumulator per grad_value
-     * element; half types without NativeHalf: the f32 accumulation buffer */
-    if (pr->flags & MSDA_DETERMINISTIC) return MSDA_DET_HEADER_BYTES + pr->B * pr->S * pr->H * pr->C * 8;
-    return half_buffer_bytes(pr);
+     * element; MSDA_ROUTE_F32_WORKSPACE: the f32 accumulation buffer (asked with a stand-in for
+     * grad_value: the callers size the workspace of a call that wants it) */
+    const int64_t n_value = pr->B * pr->S * pr->H * pr->C;
+    if (pr->flags & MSDA_DETERMINISTIC) return MSDA_DET_HEADER_BYTES + n_value * 8;
+    msda_problem wanted = *pr;
+    static char stand_in;
+    wanted.grad_value = &stand_in;
+    return msda_backward_f32_workspace(&wanted, sm90_code(pr->device)) ? n_value * 4 : 0;
+}
+
+extern "C" int msda_cuda_device_facts(int device, int *multiprocessors, int *sm90) {
+    static const char fn[] = "msda_backward_route";
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+        cudaGetLastError();
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: no CUDA device %d (%d visible)", fn,
+                              device, count);
+    }
+    *multiprocessors = sm_count(device);
+    *sm90 = sm90_code(device);
+    return MSDA_OK;
 }

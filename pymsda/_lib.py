@@ -7,7 +7,7 @@ raises ImportError that names every path tried and why it was refused.
 import ctypes
 import os
 
-ABI_VERSION = 5  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 6  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)
@@ -22,6 +22,10 @@ DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16 = 0, 1, 2, 3
 INDEX_I64, INDEX_I32 = 0, 1
 # msda_flags (c/msda.h)
 FLAG_NEAREST, FLAG_SOFTMAX, FLAG_DETERMINISTIC = 1, 2, 4
+# msda_route (c/msda.h): kernel values, then the modifier bits
+ROUTE_KERNELS = {0: "none", 1: "generic", 2: "point", 3: "point_sliced", 4: "point_pipelined",
+                 5: "aggregated"}
+ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
 
 _i64, _int, _ptr, _str = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
 _SIZES = [_i64] * 7  # B, S, H, C, L, Q, P
@@ -65,6 +69,10 @@ _SIGNATURES = {
     # int64 msda_backward_workspace_size(int64 B, S, H, C, L, Q, P, int dtype, int device,
     #                                    int flags)
     "msda_backward_workspace_size": (_i64, _SIZES + [_int] * 3),
+    # int msda_backward_route(int64 B, S, H, C, L, Q, P, int dtype, const int64 *level_points,
+    #                         int flags, int grads, int aligned16, int device,
+    #                         int multiprocessors, int sm90_code)
+    "msda_backward_route": (_int, _SIZES + [_int, _ptr] + [_int] * 6),
     # int msda_level_starts(int64 L, int64 S, int index_dtype, int device,
     #                       const void *spatial_shapes, void *level_start_index, void *stream)
     "msda_level_starts": (_int, [_i64, _i64, _int, _int, _ptr, _ptr, _ptr]),

@@ -1,0 +1,92 @@
+/* c/routes.c: which kernel serves a CUDA backward (the routes of c/msda.h), chosen here and only
+ * here. Plain C, in every build: the CUDA launcher (kernels/msda_backward.cu) switches on the
+ * plan, msda_backward_route reports it, and a CPU-only build can still be asked what a GPU would
+ * run. The numbers behind each rule are in kernels/TUNING.md. */
+#include "msda_internal.h"
+
+static int is_half(int dtype) { return dtype == MSDA_F16 || dtype == MSDA_BF16; }
+
+int msda_fast_group(const msda_problem *pr) {
+    if (pr->dtype == MSDA_F64 || pr->C % 4 != 0) return 0;
+    const int64_t G = pr->C / 4;
+    if (G > 32 || (G & (G - 1)) != 0) return 0;
+    /* the fast kernels' offsets and items are int32, and an item index is a block's first
+     * item plus a thread's (< 1024): both stay below 2^31 */
+    const int64_t limit = (int64_t)1 << 31;
+    if (pr->B * pr->S * pr->H * pr->C >= limit || pr->B * pr->Q * pr->H > limit - 1024 ||
+        pr->L > MSDA_FAST_MAX_LEVELS || pr->NP >= limit)
+        return 0;
+    return (int)G;
+}
+
+int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code) {
+    return is_half(pr->dtype) && pr->grad_value && !(pr->flags & MSDA_DETERMINISTIC) &&
+           !sm90_code;
+}
+
+/* One block per `per_block` consecutive items (capped at 2^31 - 1 blocks; the kernels stride). */
+static unsigned int item_blocks(int64_t items, int64_t per_block) {
+    int64_t blocks = (items + per_block - 1) / per_block;
+    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
+    return (unsigned int)(blocks < 1 ? 1 : blocks);
+}
+
+/* Slices of each item's points: a grid too small to fill the GPU twice over (decoders of a few
+ * hundred queries) splits every item's points over up to MSDA_BWD_MAX_SLICES blocks, at least 4
+ * points a slice, so more blocks run; point gradients are per point and grad_value is atomic,
+ * so slices need no reduction. Never with softmax (its logit gradient needs all the points). */
+static int point_slices(const msda_problem *pr, unsigned int blocks, int multiprocessors) {
+    if ((pr->flags & MSDA_SOFTMAX) || multiprocessors <= 0) return 1;
+    if ((int64_t)blocks >= 2LL * multiprocessors) return 1;
+    const int64_t want = (int64_t)multiprocessors * MSDA_BWD_RESIDENT_BLOCKS;
+    int64_t slices = (want + blocks - 1) / blocks;
+    if (slices > pr->NP / 4) slices = pr->NP / 4;
+    if (slices > MSDA_BWD_MAX_SLICES) slices = MSDA_BWD_MAX_SLICES;
+    return slices < 1 ? 1 : (int)slices;
+}
+
+void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocessors,
+                        int sm90_code, msda_backward_plan *plan) {
+    const int det = (pr->flags & MSDA_DETERMINISTIC) && pr->grad_value && pr->B * pr->Q > 0;
+    const int64_t items = pr->B * pr->Q * pr->H;
+    plan->modifiers = (det ? MSDA_ROUTE_DETERMINISTIC : 0) |
+                      (msda_backward_f32_workspace(pr, sm90_code) ? MSDA_ROUTE_F32_WORKSPACE : 0);
+    plan->group = 0;
+    plan->slices = 1;
+    plan->blocks = 1;
+    if (pr->B * pr->Q == 0) {
+        plan->kernel = MSDA_ROUTE_NONE;
+        return;
+    }
+    const int G = aligned16 ? msda_fast_group(pr) : 0;
+    if (G == 0) {
+        plan->kernel = MSDA_ROUTE_GENERIC;
+        plan->blocks = item_blocks(items, 8); /* 8 warps a block, one warp an item */
+        return;
+    }
+    const int opt = msda_needs_general(pr);
+    /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
+     * value rows; decoders (a few hundred scattered queries) measured slower there */
+    const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
+    plan->group = G;
+    plan->blocks = item_blocks(items, 256 / G);
+    plan->slices = point_slices(pr, plan->blocks, multiprocessors);
+    if (G >= 4 && aggregates && !(det && (pr->flags & MSDA_SOFTMAX))) {
+        /* (deterministic softmax excluded: the logit gradient's per-item sum is a float atomic
+         * in the aggregated kernel) */
+        plan->kernel = MSDA_ROUTE_AGGREGATED;
+        plan->blocks = item_blocks(items, 512 / G); /* two items a group of G threads */
+        plan->slices = point_slices(pr, plan->blocks, multiprocessors);
+    } else if (!det && !opt && plan->slices > 1) {
+        plan->kernel = MSDA_ROUTE_POINT_SLICED;
+    } else if (!det && !opt && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
+        /* 2 channels a thread: twice the threads of the 4-channel form */
+        plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
+        plan->blocks = item_blocks(items, 256 / (2 * G));
+        plan->slices = point_slices(pr, plan->blocks, multiprocessors);
+    } else if (!det && !opt && !aggregates && pr->dtype == MSDA_BF16) {
+        plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
+    } else {
+        plan->kernel = MSDA_ROUTE_POINT;
+    }
+}

@@ -1,0 +1,69 @@
+"""Which CUDA kernel serves a backward call (c/msda.h: msda_backward_route).
+
+The CUDA backward chooses one route per call in the C library (c/routes.c) and launches it. This
+module asks the same function, so a test can check that every route is reached and a user can
+see which kernel their shapes get:
+
+    >>> pymsda.routes.backward_route(2, 19947, 8, 32, 4, 900, 4, torch.float32,
+    ...                              multiprocessors=132, sm90_code=True)
+    Route(kernel='point_pipelined', deterministic=False, f32_workspace=False)
+
+Kernels: 'none' (no queries: grad_value only zeroed), 'generic' (float64, channel counts other
+than 4 * 2^k up to 128, more than 2^31 value elements, misaligned tensors), 'point' (the fast
+per-point kernel), 'point_sliced' (few items: each item's points split over several blocks),
+'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders: corners merged
+per value row). Modifiers: deterministic (fixed-point sums in a workspace) and f32_workspace (a
+half-precision grad_value summed in float32 where the GPU code predates sm_90).
+"""
+import collections
+
+import torch
+
+from . import _lib
+from .ops import _DTYPE_CODE, _flags, _level_points
+
+Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
+
+ALL_GRADS = ("value", "sampling_locations", "attention_weights")
+_GRAD_BITS = {"value": 1, "sampling_locations": 2, "attention_weights": 4}
+
+
+def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
+                   softmax=False, deterministic=False, grads=ALL_GRADS, aligned=True,
+                   device=None, multiprocessors=None, sm90_code=None):
+    """The Route the CUDA backward takes for these sizes (as in ms_deform_attn: value
+    (B, S, H, C), L levels, Q queries, P points per level, or per-level counts in
+    num_points_list with P their sum), dtype, options and wanted gradients (names from
+    ALL_GRADS). aligned: value, grad_output and grad_value 16-byte aligned (torch's
+    allocations are). The GPU: give multiprocessors and sm90_code (whether the code it runs is
+    built for sm_90 or newer) to ask without one, or a CUDA device (default: the current one)."""
+    if dtype not in _DTYPE_CODE:
+        raise TypeError(f"dtype must be one of {list(_DTYPE_CODE)}, got {dtype!r}")
+    unknown = set(grads) - set(_GRAD_BITS)
+    if unknown:
+        raise ValueError(f"grads must name gradients among {ALL_GRADS}, got {sorted(unknown)}")
+    level_points = None
+    if num_points_list is not None:
+        total, level_points = _level_points(num_points_list, L)
+        if total != P:
+            raise ValueError(f"num_points_list {list(num_points_list)} sums to {total}, P = {P}")
+    explicit = multiprocessors is not None and sm90_code is not None
+    if explicit:
+        index, multiprocessors, sm90_code = -1, int(multiprocessors), int(bool(sm90_code))
+        if multiprocessors < 1:
+            raise ValueError(f"multiprocessors must be >= 1, got {multiprocessors}")
+    else:
+        if not torch.cuda.is_available():
+            raise ValueError("backward_route: no CUDA device to ask; give multiprocessors and "
+                             "sm90_code")
+        index = torch.device(device if device is not None else "cuda").index
+        index = torch.cuda.current_device() if index is None else index
+        multiprocessors, sm90_code = 0, -1
+    route = _lib.lib.msda_backward_route(
+        B, S, H, C, L, Q, P, _DTYPE_CODE[dtype], level_points,
+        _flags(sampling, softmax, deterministic), sum(_GRAD_BITS[g] for g in set(grads)),
+        int(bool(aligned)), index, multiprocessors, sm90_code)
+    if route < 0:
+        raise ValueError("pymsda: " + _lib.lib.msda_last_error().decode())
+    return Route(_lib.ROUTE_KERNELS[route & _lib.ROUTE_KERNEL_MASK],
+                 bool(route & _lib.ROUTE_DETERMINISTIC), bool(route & _lib.ROUTE_F32_WORKSPACE))

@@ -1,0 +1,244 @@
+"""The CUDA backward's routes (c/routes.c, c/msda.h: msda_route), table by table.
+
+On every machine: the choice itself, asked of the library with the device stated (an H100's 132
+multiprocessors and sm_90 code, an A100's 108 and older code), for a table of problems that
+each rule of the chooser decides. With a GPU: one small problem per route, kernel and dtype,
+whose route on this device is asserted before its forward and three gradients are checked
+against the float64 oracle; tests/gpu_reliability.sh runs these under compute-sanitizer, so
+every route is instrumented there.
+"""
+import pytest
+import torch
+
+import pymsda
+from pymsda.reference import ms_deform_attn_pytorch
+from pymsda.routes import ALL_GRADS, Route, backward_route
+from conftest import requires_cuda
+from factories import (GRAD_NAMES, loose_bound, make_point_inputs, oracle_backward_general,
+                       oracle_forward_general, random_grad_output, rel_l2)
+
+H100 = dict(multiprocessors=132, sm90_code=True)
+A100 = dict(multiprocessors=108, sm90_code=False)
+
+# Deformable DETR's four levels (S = 19947), 8 heads, 32 channels, 4 points a level
+DDETR = dict(B=2, S=19947, H=8, C=32, L=4, P=4)
+f32, f16, bf16, f64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+
+
+def route(dtype, device=H100, Q=300, **changes):
+    sizes = dict(DDETR, **{k: v for k, v in changes.items() if k in DDETR})
+    options = {k: v for k, v in changes.items() if k not in DDETR}
+    return backward_route(sizes["B"], sizes["S"], sizes["H"], sizes["C"], sizes["L"], Q,
+                          sizes["P"], dtype, **device, **options)
+
+
+def R(kernel, deterministic=False, f32_workspace=False):
+    return Route(kernel, deterministic, f32_workspace)
+
+
+# (name, arguments of route(), expected route)
+TABLE = [
+    # the generic kernel: f64, channel counts the fast kernels lack, sizes past int32 offsets,
+    # too many levels, misaligned tensors
+    ("f64", dict(dtype=f64, Q=900), R("generic")),
+    ("f64 deterministic", dict(dtype=f64, Q=900, deterministic=True), R("generic", True)),
+    ("C=5", dict(dtype=f32, Q=900, C=5), R("generic")),
+    ("C=12", dict(dtype=f32, Q=900, C=12), R("generic")),
+    ("C=256", dict(dtype=f32, Q=900, C=256), R("generic")),
+    ("2^31 value elements", dict(dtype=f16, B=1, S=2 ** 23, Q=256), R("generic")),
+    ("2^31 - 1023 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1023),
+     R("generic")),
+    ("2^31 - 1024 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1024),
+     R("point")),
+    ("17 levels", dict(dtype=f32, Q=900, L=17), R("generic")),
+    ("misaligned", dict(dtype=f32, Q=900, aligned=False), R("generic")),
+    # the per-point kernel: f16 decoders, decoders with options, deterministic decoders, 128
+    # channels in f32, G < 4 encoders (no aggregated kernel for 1 or 2 threads an item)
+    ("f16 decoder", dict(dtype=f16, Q=900), R("point")),
+    ("f32 decoder softmax", dict(dtype=f32, Q=900, softmax=True), R("point")),
+    ("bf16 decoder nearest", dict(dtype=bf16, Q=900, sampling="nearest"), R("point")),
+    ("f32 decoder per-level points", dict(dtype=f32, Q=900, P=16, num_points_list=[1, 3, 5, 7]),
+     R("point")),
+    ("f32 decoder deterministic", dict(dtype=f32, Q=900, deterministic=True), R("point", True)),
+    ("f32 C=128 decoder", dict(dtype=f32, Q=900, C=128), R("point")),
+    ("f32 C=8 encoder", dict(dtype=f32, Q=19947, C=8), R("point")),
+    ("sliced decoder with softmax", dict(dtype=f32, Q=300, softmax=True), R("point")),
+    ("sliced decoder deterministic", dict(dtype=bf16, Q=300, deterministic=True),
+     R("point", True)),
+    # sliced points: too few blocks for the GPU (Deformable DETR's 300 queries)
+    ("f32 ddetr_dec", dict(dtype=f32, Q=300), R("point_sliced")),
+    ("f16 ddetr_dec", dict(dtype=f16, Q=300), R("point_sliced")),
+    ("bf16 ddetr_dec A100", dict(dtype=bf16, Q=300, device=A100), R("point_sliced", False, True)),
+    # pipelined: plain f32 (up to 64 channels) and bf16 decoders that fill the GPU, or whose
+    # items have fewer than 8 points (never sliced)
+    ("f32 one point a level", dict(dtype=f32, Q=300, P=1), R("point_pipelined")),
+    ("f32 dino_dec900", dict(dtype=f32, Q=900), R("point_pipelined")),
+    ("bf16 dino_dec900", dict(dtype=bf16, Q=900), R("point_pipelined")),
+    ("f32 C=64 decoder", dict(dtype=f32, Q=900, C=64), R("point_pipelined")),
+    ("bf16 C=128 decoder", dict(dtype=bf16, Q=900, C=128), R("point_pipelined")),
+    ("bf16 A100 decoder", dict(dtype=bf16, Q=900, device=A100), R("point_pipelined", False, True)),
+    # aggregated: encoders (Q * L * P >= 2 * S) with 16 or more channels
+    ("f32 ddetr_enc", dict(dtype=f32, Q=19947), R("aggregated")),
+    ("f16 ddetr_enc", dict(dtype=f16, Q=19947), R("aggregated")),
+    ("bf16 encoder softmax", dict(dtype=bf16, Q=19947, softmax=True), R("aggregated")),
+    ("f32 encoder deterministic", dict(dtype=f32, Q=19947, deterministic=True),
+     R("aggregated", True)),
+    ("f32 encoder deterministic softmax", dict(dtype=f32, Q=19947, deterministic=True,
+                                               softmax=True), R("point", True)),
+    ("f16 encoder A100", dict(dtype=f16, Q=19947, device=A100), R("aggregated", False, True)),
+    ("f16 encoder A100 deterministic", dict(dtype=f16, Q=19947, device=A100, deterministic=True),
+     R("aggregated", True)),
+    ("just under Q * L * P = 2 * S", dict(dtype=f32, Q=2493), R("point_pipelined")),
+    ("at Q * L * P = 2 * S", dict(dtype=f32, Q=2494), R("aggregated")),
+    # no queries: grad_value is only zeroed
+    ("no queries", dict(dtype=f32, Q=0), R("none")),
+    ("no queries, f16 on an A100", dict(dtype=f16, Q=0, device=A100), R("none", False, True)),
+    ("no batch, deterministic", dict(dtype=f32, B=0, deterministic=True), R("none")),
+    # the gradients wanted: no grad_value, nothing to accumulate in a workspace
+    ("f16 A100 without grad_value", dict(dtype=f16, Q=900, device=A100,
+                                         grads=("sampling_locations",)), R("point")),
+    ("deterministic without grad_value", dict(dtype=f32, Q=900, deterministic=True,
+                                              grads=("attention_weights",)),
+     R("point_pipelined")),
+]
+
+
+@pytest.mark.parametrize("name,args,expected", TABLE, ids=[t[0] for t in TABLE])
+def test_backward_route_follows_the_chooser_table(name, args, expected):
+    assert route(**args) == expected
+
+
+def test_every_route_appears_in_the_table():
+    kernels = {expected.kernel for _, _, expected in TABLE}
+    assert kernels == set(pymsda._lib.ROUTE_KERNELS.values())
+    assert any(e.deterministic for _, _, e in TABLE) and any(e.f32_workspace for _, _, e in TABLE)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(grads=("weights",)), "grads"),
+    (dict(multiprocessors=0, sm90_code=True), "multiprocessors"),
+    (dict(C=0), "C = 0"),
+    (dict(sampling="cubic"), "sampling"),
+    (dict(num_points_list=[1, 2, 3, 4]), "sums to 10"),
+])
+def test_backward_route_refuses_bad_arguments_naming_them(bad, match):
+    args = dict(dict(B=2, S=19947, H=8, C=32, L=4, Q=300, P=4, dtype=f32), **H100)
+    args.update(bad)
+    sizes = [args.pop(k) for k in ("B", "S", "H", "C", "L", "Q", "P", "dtype")]
+    with pytest.raises(ValueError, match=match):
+        backward_route(*sizes, **args)
+
+
+# ---- on the GPU: one small problem per route ------------------------------------------------
+
+SHAPES = [(9, 11), (5, 6), (3, 3)]  # S = 138
+S_SMALL = sum(h * w for h, w in SHAPES)
+# (kernel, dtypes, channels, queries, points a level, options, deterministic); the queries and
+# points pick the route whatever the GPU's multiprocessor count: sliced needs 8 or more points
+# an item and few items; pipelined fewer than 8 (no slicing); aggregated Q * L * P >= 2 * S
+GPU_CASES = [
+    ("generic", (f64, f32, f16, bf16), 3, 7, 2, {}, False),
+    ("generic", (f64, f32, bf16), 6, 7, 2, {}, True),
+    ("point", (f16,), 32, 7, 2, {}, False),
+    ("point", (f32, bf16), 32, 7, 2, dict(softmax=True), False),
+    ("point", (f32, f16), 128, 7, 2, dict(sampling="nearest"), False),
+    ("point", (f32, f16, bf16), 32, 7, 2, {}, True),
+    ("point_sliced", (f32, f16, bf16), 32, 7, 4, {}, False),
+    ("point_pipelined", (f32, bf16), 16, 7, 2, {}, False),
+    ("point_pipelined", (f32,), 64, 7, 2, {}, False),
+    ("aggregated", (f32, f16, bf16), 32, 100, 2, {}, False),
+    ("aggregated", (f32, bf16), 64, 100, 2, dict(softmax=True), False),
+    ("aggregated", (f32, f16, bf16), 16, 100, 2, {}, True),
+    ("none", (f32, f16), 32, 0, 2, {}, False),
+]
+GRADS = {"all": ALL_GRADS, "value": ("value",), "points": ("sampling_locations",
+                                                          "attention_weights")}
+# (deterministic concerns grad_value only: without it the route is another's)
+GPU_PARAMS = [(kernel, dtype, C, Q, P, options, det, grads)
+              for kernel, dtypes, C, Q, P, options, det in GPU_CASES for dtype in dtypes
+              for grads in GRADS if not (det and grads == "points")]
+
+
+def _gpu_id(p):
+    kernel, dtype, C, Q, P, options, det, grads = p
+    extra = "".join(f"-{k}={v}" for k, v in options.items())
+    return (f"{kernel}-{str(dtype)[6:]}-C{C}{extra}" + ("-deterministic" if det else "")
+            + f"-grads={grads}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", GPU_PARAMS, ids=[_gpu_id(p) for p in GPU_PARAMS])
+def test_each_route_matches_f64_oracle_cuda(generator, case):
+    kernel, dtype, C, Q, P, options, det, grads = case
+    grads = GRADS[grads]
+    L = len(SHAPES)
+    got_route = backward_route(2, S_SMALL, 3, C, L, Q, P, dtype, deterministic=det,
+                               grads=grads, **options)
+    assert got_route.kernel == kernel and got_route.deterministic == (det and "value" in grads
+                                                                      and Q > 0), got_route
+    # the f32 workspace: half precision, grad_value wanted, atomic, and code older than sm_90
+    half_in_f32 = backward_route(1, 1, 1, 4, 1, 1, 1, f16).f32_workspace
+    assert got_route.f32_workspace == (dtype in (f16, bf16) and "value" in grads and not det
+                                       and half_in_f32), got_route
+    softmax = options.get("softmax", False)
+    nearest = options.get("sampling") == "nearest"
+    inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L, dtype=dtype,
+                               device="cuda", logits=softmax)
+    shape = (2, Q, 3, L, P)
+    inputs["sampling_locations"] = inputs["sampling_locations"].reshape(shape + (2,))
+    inputs["attention_weights"] = inputs["attention_weights"].reshape(shape)
+    leaves = {k: inputs[k].detach().clone().requires_grad_(k in grads) for k in GRAD_NAMES}
+
+    def run(function, **extra):
+        args = [leaves["value"], inputs["spatial_shapes"], leaves["sampling_locations"],
+                leaves["attention_weights"]]
+        out = function(*args, **extra)
+        wanted = [leaves[k] for k in GRAD_NAMES if k in grads]
+        return out, dict(zip([k for k in GRAD_NAMES if k in grads],
+                             torch.autograd.grad(out, wanted, grad_output, allow_unused=True)))
+
+    out = pymsda.ms_deform_attn(leaves["value"], inputs["spatial_shapes"], None,
+                                leaves["sampling_locations"], leaves["attention_weights"],
+                                deterministic=det, **options)
+    grad_output = random_grad_output(generator, out)
+    out, got = run(lambda *a: pymsda.ms_deform_attn(a[0], a[1], None, a[2], a[3],
+                                                    deterministic=det, **options))
+    oracle_opts = dict(nearest=nearest, softmax=softmax)
+    expected_out = oracle_forward_general(inputs, **oracle_opts)
+    expected = dict(zip(GRAD_NAMES, oracle_backward_general(inputs, grad_output, **oracle_opts)))
+    if Q == 0:
+        assert out.numel() == 0
+        if "value" in got:
+            assert got["value"].abs().sum() == 0
+        return
+    if dtype in (f64, f32):
+        bound = 1e-12 if dtype == f64 else 1e-5
+        assert rel_l2(out, expected_out) < bound / 10
+        for name, g in got.items():
+            if nearest and name == "sampling_locations":
+                assert not g.any()
+            else:
+                assert rel_l2(g, expected[name]) < bound, name
+        return
+    ref_out, ref = run(lambda *a: ms_deform_attn_pytorch(a[0], a[1], a[2], a[3], **options))
+    assert rel_l2(out, expected_out) <= loose_bound(rel_l2(ref_out, expected_out))
+    for name, g in got.items():
+        if ref.get(name) is None:  # nearest: the reference gives no location gradient
+            assert not g.any(), name
+        else:
+            assert rel_l2(g, expected[name]) <= loose_bound(rel_l2(ref[name], expected[name])), \
+                name
+
+
+def test_route_codes_match_the_header():
+    import re
+    from pathlib import Path
+    header = (Path(__file__).resolve().parent.parent / "c" / "msda.h").read_text()
+    codes = {name: int(value, 0) for name, value in
+             re.findall(r"MSDA_ROUTE_(\w+)\s*=\s*(0x[0-9a-fA-F]+|\d+)", header)}
+    kernels = {name.lower(): code for name, code in codes.items()
+               if code <= 0xFF and name != "KERNEL_MASK"}
+    assert kernels == {name: code for code, name in pymsda._lib.ROUTE_KERNELS.items()}
+    assert codes["KERNEL_MASK"] == pymsda._lib.ROUTE_KERNEL_MASK
+    assert codes["DETERMINISTIC"] == pymsda._lib.ROUTE_DETERMINISTIC
+    assert codes["F32_WORKSPACE"] == pymsda._lib.ROUTE_F32_WORKSPACE
