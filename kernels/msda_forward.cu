@@ -215,7 +215,10 @@ __global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_prob
     const int local = threadIdx.x / G, g = threadIdx.x % G;
     load_levels(pr, s_lvl);
     __syncthreads();
-    for (int base = blockIdx.x * St::IPB; base < n_items; base += gridDim.x * St::IPB) {
+    /* unsigned: with more than 2^30 items, base + gridDim.x * IPB passes 2^31 - 1 (int would
+     * wrap negative and run again on items before the first), never 2^32 - 1 */
+    for (unsigned ub = blockIdx.x * St::IPB; ub < (unsigned)n_items; ub += gridDim.x * St::IPB) {
+        const int base = (int)ub;
         const int item = base + local;
         float acc[V];
 #pragma unroll

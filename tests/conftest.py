@@ -28,6 +28,13 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "huge: CUDA tests of tens of GB (tests/test_large_problems.py)"
+                            "; left out of the sanitizer runs")
+    config.addinivalue_line("markers", "caching_allocator: CUDA tests that need torch's caching "
+                            "allocator (graph capture; no cudaFree); left out of the sanitizer "
+                            "runs, which turn it off")
+    config.addinivalue_line("markers", "own_library: builds and loads a library of its own in a "
+                            "subprocess (left out of the sanitizer runs of the suite)")
     if os.environ.get("PYMSDA_TEST_INSTALLED") == "1":
         for what, path in (("package", pymsda.__file__), ("library", pymsda.library_path())):
             if os.path.realpath(path).startswith(os.path.realpath(REPO) + os.sep):

@@ -648,6 +648,7 @@ def _direct_sample(value, locations, weights, q, h):
 
 
 @requires_cuda
+@pytest.mark.huge
 def test_int32_overflow_forward_half_over_2_31_elements_cuda():
     if _free_gpu_bytes() < 14 * 2 ** 30:
         pytest.skip("needs about 14 GB of free GPU memory")
@@ -666,6 +667,7 @@ def test_int32_overflow_forward_half_over_2_31_elements_cuda():
 
 
 @requires_cuda
+@pytest.mark.huge
 def test_int32_overflow_backward_half_over_2_31_elements_cuda():
     if _free_gpu_bytes() < 34 * 2 ** 30:
         pytest.skip("needs about 34 GB of free GPU memory")
