@@ -3,20 +3,29 @@
 #
 #   bash tests/gpu_reliability.sh            (from the repository root or anywhere)
 #
-# Steps (each with its own time limit; the whole is meant to finish in ~5-8 minutes on an H100):
-#   1 plain     tests/test_reliability.py and tests/test_threads.py without a sanitizer: the
-#               CUDA bad-input matrix, non-finite input, validation, two threads on two streams
-#               and the > 2^31-element half-precision tests (which need ~34 GB free).
+# Steps (each with its own time limit; the whole took 4 minutes on an H100, its limits add up to
+# 9.5 minutes):
+#   1 plain     tests/test_reliability.py, tests/test_threads.py and tests/test_large_problems.py
+#               without a sanitizer: the CUDA bad-input matrix, non-finite input, validation, two
+#               threads on two streams, and every backward route at the 32-bit limits in
+#               NaN-filled memory (the `huge` tests: tens of GB of GPU memory).
 #   2 memcheck  compute-sanitizer memcheck over the lying device-side shape tables
 #               (-k "lying and cuda"): proves no read or write outside the tensors.
-#   3 memcheck  over the CUDA test suite (-k "cuda", minus the > 2^31 tests, which would take
-#               too long instrumented, the lying tests of step 2, CUDA graph capture, which needs
-#               the caching allocator, and the no-synchronisation test, which the allocator's
-#               cudaFree would trip).
-#   4 racecheck over a small forward/backward workload reaching every CUDA kernel variant
-#               (every fast-path group size, partial point chunks, the generic kernels, every
-#               dtype, each combination of requested gradients).
-#   5 synccheck over the same workload (barriers and warp shuffles under divergence).
+#   3 memcheck  over the CUDA test suite (-k "cuda"; tests/test_routes.py reaches every backward
+#               route and dtype) minus the `huge` tests (too slow instrumented), the lying tests of
+#               step 2, the `caching_allocator` tests (CUDA graph capture and the
+#               no-synchronisation test, which need torch's caching allocator) and the
+#               `own_library` test (it builds and loads an sm_80 library: step 4 does that), in
+#               parallel shards (tests/sanitizer_shards.py; SHARDS, default half the CPU cores,
+#               at most 8).
+#   4 memcheck  the half-precision cases of tests/test_routes.py with a library of sm_80 code
+#               (SM80_LIBRARY, else built into build-sm80/ first, about a minute): on a GPU of
+#               sm_90 or newer the only way to run the routes older GPUs take (a half grad_value
+#               summed in an f32 workspace, grad_value zeroed by cudaMemsetAsync).
+#   5 racecheck over a small forward/backward workload reaching every CUDA kernel: every
+#               backward route (asserted through pymsda.routes), every fast-path group size,
+#               partial point chunks, every dtype, each combination of requested gradients.
+#   6 synccheck over the same workload (barriers and warp shuffles under divergence).
 # Sanitizer steps run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every tensor is its own
 # cudaMalloc and memcheck knows its exact bounds, and instrument only pymsda's kernels
 # (--kernel-name kns=msda): torch's own kernels run at full speed and are not judged.
@@ -25,7 +34,8 @@
 # reported anything (errors, or racecheck hazards of any severity). Logs: $LOG_DIR (default
 # $OUT/gpu_reliability when $OUT is set, else /tmp/gpu_reliability).
 # Environment: PYTHON (python3), COMPUTE_SANITIZER (found on PATH or under the CUDA toolkit),
-# STEP_LIMITS ("120 90 210 60 45" seconds), MEMCHECK_K (the -k expression of step 3).
+# STEP_LIMITS ("120 60 150 150 60 45" seconds), MEMCHECK_K / MEMCHECK_M (the -k and -m
+# expressions of step 3), SHARDS (step 3's parallel processes), SM80_LIBRARY (step 4's library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the workload scripts run from a temporary folder
@@ -34,8 +44,11 @@ PYTHON=${PYTHON:-python3}
 LOG_DIR=${LOG_DIR:-${OUT:+$OUT/gpu_reliability}}
 LOG_DIR=${LOG_DIR:-/tmp/gpu_reliability}
 mkdir -p "$LOG_DIR"
-read -r -a LIMITS <<< "${STEP_LIMITS:-120 90 210 60 45}"
-MEMCHECK_K=${MEMCHECK_K:-"cuda and not int32_overflow and not lying and not captured_in_cuda_graph and not do_not_synchronise"}
+read -r -a LIMITS <<< "${STEP_LIMITS:-120 60 150 150 60 45}"
+MEMCHECK_K=${MEMCHECK_K:-"cuda and not lying"}
+MEMCHECK_M=${MEMCHECK_M:-"not huge and not caching_allocator and not own_library"}
+half=$(( $(nproc) / 2 ))
+SHARDS=${SHARDS:-$(( half < 1 ? 1 : (half > 8 ? 8 : half) ))}
 export PYTHONUNBUFFERED=1
 
 say() { printf '%s\n' "$*" | tee -a "$LOG_DIR/summary.txt"; }
@@ -76,32 +89,52 @@ say "compute-sanitizer: $CS ($("$CS" --version 2>/dev/null | tail -n 1))"
 # ---- the racecheck / synccheck workload ---------------------------------------------------------
 WORKLOAD="$(mktemp -d)/workload.py"
 cat > "$WORKLOAD" <<'EOF'
-"""Every CUDA kernel variant of pymsda once, forward and backward, on small shapes."""
+"""Every CUDA kernel of pymsda once, forward and backward, on small shapes; every backward route
+(c/msda.h: msda_route) is asserted to be reached."""
 import itertools
 import torch
 import pymsda
+from pymsda.routes import backward_route
 
 torch.manual_seed(0)
-# C = 4*G for every fast-path group size G = 1..32 in f32 (the shared-memory layout depends on G,
-# not on the type), G = 1, 8, 32 in f16 and bf16; the generic kernels: C = 5, C = 256, f64.
-cases = [(torch.float32, c) for c in (4, 8, 16, 32, 64, 128)] + \
-        [(d, c) for d in (torch.float16, torch.bfloat16) for c in (4, 32, 128)] + \
-        [(torch.float32, 5), (torch.bfloat16, 256), (torch.float64, 8), (torch.float64, 3)]
-shapes = [(7, 9), (4, 5), (2, 3), (1, 1)]           # L = 4, P = 5: LP = 20 spans two chunks
+shapes = [(7, 9), (4, 5), (2, 3), (1, 1)]           # L = 4; S = 90
 S = sum(h * w for h, w in shapes)
-runs = 0
+# (dtype, C, Q, P, options): C = 4*G for every fast-path group size G = 1..32 in f32 (the shared
+# memory layout depends on G, not on the type), G = 1, 8, 32 in f16 and bf16; the generic
+# kernels: C = 5, C = 256, f64. Q = 37 with P = 5 (20 points an item: two chunks) is an encoder
+# (Q * L * P >= 2 * S: the aggregated route for G >= 4), Q = 3 a decoder whose points are sliced,
+# P = 1 a decoder whose points are not (pipelined in f32 and bf16, the per-point kernel in f16).
+decoders = ((37, 5), (3, 5), (3, 1))
+cases = [(torch.float32, c, q, p, {}) for c in (4, 8, 16, 32, 64, 128) for q, p in decoders] + \
+        [(d, c, q, p, {}) for d in (torch.float16, torch.bfloat16) for c in (4, 32, 128)
+         for q, p in decoders] + \
+        [(torch.float32, 32, 37, 5, dict(softmax=True)),
+         (torch.bfloat16, 32, 3, 1, dict(sampling="nearest")),
+         (torch.float32, 5, 37, 5, {}), (torch.bfloat16, 256, 37, 5, {}),
+         (torch.float64, 8, 37, 5, {}), (torch.float64, 3, 3, 1, {}),
+         (torch.float32, 32, 0, 5, {})]
+seen, runs = set(), 0
 # all gradients (the fast backward then runs its two passes: point gradients, then grad_value)
-# and the weight gradient alone
-for (dtype, C), grads in itertools.product(cases, [(1, 1, 1), (0, 0, 1)]):
+# and the weight gradient alone, each atomic and deterministic
+for (dtype, C, Q, P, options), grads, det in itertools.product(
+        cases, [(1, 1, 1), (0, 0, 1)], [False, True]):
     value = torch.randn(2, S, 3, C, device="cuda", dtype=dtype)
-    loc = (torch.rand(2, 37, 3, 4, 5, 2, device="cuda") * 1.4 - 0.2).to(dtype)
-    attn = torch.rand(2, 37, 3, 4, 5, device="cuda").to(dtype)
+    loc = (torch.rand(2, Q, 3, 4, P, 2, device="cuda") * 1.4 - 0.2).to(dtype)
+    attn = torch.rand(2, Q, 3, 4, P, device="cuda").to(dtype)
     leaves = [t.requires_grad_(bool(g)) for t, g in zip((value, loc, attn), grads)]
-    out = pymsda.ms_deform_attn(leaves[0], shapes, None, leaves[1], leaves[2])
+    names = [n for n, g in zip(("value", "sampling_locations", "attention_weights"), grads) if g]
+    route = backward_route(2, S, 3, C, 4, Q, P, dtype, deterministic=det, grads=names, **options)
+    seen.add((route.kernel, route.deterministic))
+    out = pymsda.ms_deform_attn(leaves[0], shapes, None, leaves[1], leaves[2], deterministic=det,
+                                **options)
     out.backward(torch.randn_like(out))
     runs += 1
 torch.cuda.synchronize()
-print(f"workload: {runs} forward/backward runs over {len(cases)} kernel configurations")
+missing = set(pymsda._lib.ROUTE_KERNELS.values()) - {k for k, _ in seen}
+assert not missing, f"routes not reached: {sorted(missing)}"
+assert {k for k, d in seen if d} >= {"generic", "point", "aggregated"}, seen
+print(f"workload: {runs} forward/backward runs over {len(cases)} kernel configurations; "
+      f"routes reached: {sorted(seen)}")
 EOF
 
 # ---- steps ---------------------------------------------------------------------------------------
@@ -140,16 +173,33 @@ run_step() {  # name limit kind(plain|memcheck|racecheck|synccheck) command...
 
 unset PYTORCH_NO_CUDA_MEMORY_CACHING  # torch disables caching when it is set at all
 run_step plain "${LIMITS[0]}" plain \
-    "$PYTHON" -m pytest tests/test_reliability.py tests/test_threads.py -q -p no:cacheprovider -rs
+    "$PYTHON" -m pytest tests/test_reliability.py tests/test_threads.py \
+    tests/test_large_problems.py -q -p no:cacheprovider -rs
 
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 run_step memcheck-lying "${LIMITS[1]}" memcheck \
     "${SAN[@]}" --tool memcheck "$PYTHON" -m pytest tests -q -p no:cacheprovider -k "lying and cuda"
 run_step memcheck-suite "${LIMITS[2]}" memcheck \
-    "${SAN[@]}" --tool memcheck "$PYTHON" -m pytest tests -q -p no:cacheprovider -k "$MEMCHECK_K"
-run_step racecheck "${LIMITS[3]}" racecheck \
+    "$PYTHON" tests/sanitizer_shards.py --shards "$SHARDS" --log-dir "$LOG_DIR" \
+    "${SAN[@]}" --tool memcheck -- tests -k "$MEMCHECK_K" -m "$MEMCHECK_M"
+sm80_library() {  # step 4's library: SM80_LIBRARY, or build-sm80/ made now
+    if [ -n "${SM80_LIBRARY:-}" ]; then echo "$SM80_LIBRARY"; return; fi
+    make --no-print-directory BUILD=build-sm80 MSDA_CUDA=1 CUDA_ARCHS=80 -j "$(nproc)" \
+        >"$LOG_DIR/build-sm80.log" 2>&1 && echo "$PWD/build-sm80/libpymsda.so"
+}
+SM80=$(sm80_library)
+if [ -n "$SM80" ]; then
+    run_step memcheck-sm80 "${LIMITS[3]}" memcheck env PYMSDA_LIBRARY="$SM80" \
+        "${SAN[@]}" --tool memcheck "$PYTHON" -m pytest tests/test_routes.py -q -p no:cacheprovider \
+        -k "cuda and (float16 or bfloat16)"
+else
+    say "FAIL: make of the sm_80 library (see $LOG_DIR/build-sm80.log)"
+    status=1
+    ROWS+=("$(printf '%-15s %-9s %-16s' memcheck-sm80 memcheck 'FAIL(build)')")
+fi
+run_step racecheck "${LIMITS[4]}" racecheck \
     "${SAN[@]}" --tool racecheck "$PYTHON" "$WORKLOAD"
-run_step synccheck "${LIMITS[4]}" synccheck \
+run_step synccheck "${LIMITS[5]}" synccheck \
     "${SAN[@]}" --tool synccheck "$PYTHON" "$WORKLOAD"
 
 say ""

@@ -106,6 +106,7 @@ def test_second_gpu_on_its_current_stream(generator):
     assert rel_l2(out, oracle_forward(dict(inputs, value=new_value))) < 1e-6
 
 
+@pytest.mark.caching_allocator  # (without it, freeing a tensor is a synchronising cudaFree)
 def test_forward_and_backward_do_not_synchronise(generator):
     # Device-side shape tensors are the normal path: no .item()/.cpu()/.tolist() may happen.
     inputs = make_inputs(generator, **small_case(generator), dtype=torch.float32, device="cuda",
@@ -123,6 +124,7 @@ def test_forward_and_backward_do_not_synchronise(generator):
     assert rel_l2(out, oracle_forward(inputs)) < 1e-6
 
 
+@pytest.mark.caching_allocator
 def test_forward_captured_in_cuda_graph(generator):
     case = small_case(generator)
     static = make_inputs(generator, **case, dtype=torch.float32, device="cuda")

@@ -15,7 +15,9 @@ from conftest import requires_cuda
 from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
                        random_grad_output, random_level_shapes, rel_l2)
 
-pytestmark = requires_cuda
+# caching_allocator: graph capture needs torch's caching allocator (the sanitizer runs of
+# tests/gpu_reliability.sh turn it off)
+pytestmark = [requires_cuda, pytest.mark.caching_allocator]
 
 
 def run_op(leaves, shape_tables, keywords):

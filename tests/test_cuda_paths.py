@@ -480,6 +480,7 @@ print(json.dumps({"errors": errors, "workspace": need, "library": pymsda.library
 """
 
 
+@pytest.mark.own_library  # (tests/gpu_reliability.sh runs such a library under memcheck itself)
 def test_half_grad_value_without_sm90_code_goes_through_the_f32_buffer(tmp_path):
     # Code built for GPUs before sm_90 (no half-precision vector atomics) accumulates a half
     # grad_value in an f32 buffer: a library with only sm_80 code (PTX compiled for this GPU
