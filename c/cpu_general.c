@@ -2,24 +2,7 @@
  * c/cpu_kernels.c do not serve (msda_needs_general()): per-level point counts (level_points),
  * nearest sampling (MSDA_NEAREST), fused softmax (MSDA_SOFTMAX), and any combination of them.
  *
- * Math (c/msda.h). Per (b, q, h), points i = 0 .. NP-1; level l owns [ps[l], ps[l+1])
- * (ps[l] = l*P with uniform counts):
- *   A_i = attention_weights[b,q,h,i]          (MSDA_SOFTMAX: A = softmax over the NP logits)
- *   out[b,q,h,:] = sum_i A_i * sample_i,      sample_i = sum_k w_ik * V_l[b, corner k, h, :]
- *   bilinear: x = loc_x*W_l - 0.5, y = loc_y*H_l - 0.5, fx = x - floor(x), fy = y - floor(y);
- *     corner k = 2*dy + dx is (floor(x) + dx, floor(y) + dy), w = (dx ? fx : 1-fx)(dy ? fy : 1-fy)
- *   nearest: the single corner (clamp(floor(loc_x*W_l + 0.5), 0, W_l-1), same for y), w = 1.
- * Gradients, with go = grad_output[b,q,h,:] and d_i = go . sample_i:
- *   grad_value[b, corner k of i, h, :] += A_i * w_ik * go
- *   grad_attention_weights_i = d_i, or with MSDA_SOFTMAX A_i * (d_i - sum_j A_j d_j) (logits)
- *   grad_loc_i = A_i * (W_l * go . dsample/dfx, H_l * go . dsample/dfy); 0 for nearest.
- * Out-of-range rule (as in the tuned kernels): a corner outside its level, or whose flat index
- * start_l + y*W_l + x is outside [0, S), reads 0 and receives nothing. A bilinear point outside
- * (-1, W_l) x (-1, H_l), a non-finite location, and a nearest point with a non-finite location
- * read nothing: they add 0 to the output and get zero location gradients (and a zero weight
- * gradient without softmax; with softmax their logit still shares the normalisation, so its
- * gradient is the exact -A_i * sum_j A_j d_j). Level tables that lie give wrong numbers at
- * worst: every position is checked before it is read or written.
+ * Math, gradients and the out-of-range rule: c/msda.h.
  *
  * Thread map: forward, (b, q) rows with all their heads, handed out dynamically; backward, one
  * task per (b, h), which zeroes grad_value[b, :, h, :], scatters into it and writes the point

@@ -24,13 +24,27 @@
  * points of level 0 first, then those of level 1, and so on. With every count equal to P / L the
  * memory layout is the NULL case's.
  *
- * Math:
- *   out[b,q,h,c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b,:,:,h,c], x = loc_x*W_l - 0.5,
- *                                                                    y = loc_y*H_l - 0.5)
- *   Bilinear reads the four integer neighbours of (x, y); a neighbour outside the level (or whose
- *   flat index start_l + y*W_l + x falls outside [0, S)) contributes 0. This equals
- *   grid_sample(bilinear, zeros padding, align_corners=False) with grid = 2*loc - 1.
- *   Accumulation is f32 for f32/f16/bf16 and f64 for f64.
+ * Math (the one statement of it: every kernel, CPU and CUDA, computes exactly this). Per
+ * (b, q, h), points i = 0 .. NP-1 (NP = L * P, or P with level_points); point i belongs to
+ * level l (the P points of level 0 first, then level 1's, ...):
+ *   A_i = attention_weights[b,q,h,i]              (MSDA_SOFTMAX: softmax over the NP logits)
+ *   x = loc_x * W_l - 0.5,  y = loc_y * H_l - 0.5,  fx = x - floor(x),  fy = y - floor(y)
+ *   corner k = 2*dy + dx (dx, dy in {0, 1}) is pixel (floor(x) + dx, floor(y) + dy), weight
+ *   w_k = (dx ? fx : 1 - fx) * (dy ? fy : 1 - fy);  v_k = value[b, start_l + y_k*W_l + x_k, h, :]
+ *   sample_i = sum_k w_k * v_k,     out[b,q,h,:] = sum_i A_i * sample_i
+ * This equals grid_sample(bilinear, zeros padding, align_corners=False) with grid = 2*loc - 1.
+ * Gradients, with g = grad_output[b,q,h,:] and d_i = g . sample_i:
+ *   grad_value[b, corner k of i, h, :] += A_i * w_k * g
+ *   grad_attention_weights_i = d_i   (MSDA_SOFTMAX: the logit's, A_i * (d_i - sum_j A_j d_j))
+ *   grad_sampling_locations_i = A_i * (W_l * g . ((1-fy)(v1 - v0) + fy (v3 - v2)),
+ *                                      H_l * g . ((1-fx)(v2 - v0) + fx (v3 - v1)))
+ * Out-of-range rule: a corner outside its level, or whose flat index start_l + y*W_l + x falls
+ *   outside [0, S), reads 0 and receives nothing. A point with no corner inside (outside
+ *   (-1, W_l) x (-1, H_l)) or a non-finite location adds nothing and gets zero location and
+ *   weight gradients, whatever its A (with softmax its logit still shares the normalisation:
+ *   its gradient is -A_i * sum_j A_j d_j). Shape tables that disagree with value give wrong
+ *   numbers at worst, never an access outside the tensors.
+ * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64.
  * Flags (a bitwise OR of msda_flags, 0 for the plain op above):
  *   MSDA_NEAREST: instead of bilinear(), read the single pixel
  *     (clamp(floor(loc_x*W_l + 0.5), 0, W_l-1), clamp(floor(loc_y*H_l + 0.5), 0, H_l-1)),

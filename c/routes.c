@@ -1,5 +1,5 @@
 /* c/routes.c: which kernel serves a CUDA backward (the routes of c/msda.h), chosen here and only
- * here. Plain C, in every build: the CUDA launcher (kernels/msda_backward.cu) switches on the
+ * here. Plain C, in every build: the CUDA launcher (kernels/backward.cuh) switches on the
  * plan, msda_backward_route reports it, and a CPU-only build can still be asked what a GPU would
  * run. The numbers behind each rule are in kernels/TUNING.md. */
 #include "msda_internal.h"

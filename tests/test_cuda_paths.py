@@ -139,7 +139,7 @@ def test_location_gradient_takes_the_cell_of_the_exact_coordinate(generator, cha
 TILED_SHAPES = [(18, 19), (4, 8), (3, 5)]
 AGG_CASES = {"dense": ([(4, 5), (3, 3), (2, 2)], 300), "spread": ([(16, 20), (8, 10), (3, 3)], 400),
              "decoder": ([(4, 5), (3, 3), (2, 2)], 5),
-             # 4 points a level: an item's 12 points sliced over 3 blocks (msda_backward.cu v43)
+             # 4 points a level: an item's 12 points sliced over 3 blocks (MSDA_ROUTE_POINT_SLICED)
              "sliced": ([(4, 5), (3, 3), (2, 2)], 5, 4),
              "tiled": (TILED_SHAPES, sum(h * w for h, w in TILED_SHAPES))}
 AGG_FEATURES = {"plain": (None, "bilinear", False), "counts": ([3, 0, 2], "bilinear", False),
@@ -290,13 +290,13 @@ def test_aggregated_backward_point_gradients_are_bitwise_repeatable(generator, c
 # ---- decoders' backward at its edges --------------------------------------------------------------
 #
 # Decoder-like problems (Q * NP < 2 * S) take the per-point backward, f32 at C = 32 with 2
-# channels a thread (msda_backward.cu v45). Its gradients against the oracle where points crowd,
+# channels a thread (kernels/backward_point.cuh). Its gradients against the oracle where points crowd,
 # spread or leave the maps: "plain", a decoder with points outside the maps; "crowded", every
 # point of a head within a pixel or two (hundreds of corners on one value row); "wide", levels
 # wider than 1536 pixels; "tiny", 1 x 1, 1 x N and N x 1 levels and one query; "skewed", most
 # points on one level's last row and past its right edge. A gather of grad_value by tiles of
-# value rows was measured for these problems and not shipped (kernels/tried/
-# backward_tiles_t2.patch, msda_backward.cu v48); these cases were written for it.
+# value rows was measured for these problems and not shipped (kernels/TUNING.md, v48); these
+# cases were written for it.
 DECODER_CASES = {
     "plain": (2, 60, 3, [(20, 30), (10, 15), (5, 8), (3, 4)], 4),
     "crowded": (1, 400, 2, [(32, 32)], 4),
@@ -419,7 +419,7 @@ def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
 
 
 # The half-precision forward of a problem of >= 65536 (b, q, h) items takes 8 channels a thread
-# (kernels/msda_forward.cu, MSDA_FWD_WIDE_MIN_ITEMS): group sizes C / 8 = 1, 4 and 16.
+# (kernels/forward.cu, MSDA_FWD_WIDE_MIN_ITEMS): group sizes C / 8 = 1, 4 and 16.
 WIDE = [(torch.bfloat16, 8), (torch.bfloat16, 32), (torch.float16, 32), (torch.float16, 128)]
 
 
@@ -475,7 +475,7 @@ for name, queries in (("aggregated", 60), ("per_point", 5)):
         expected = oracle_backward(inputs, grad_output)
         errors[f"{name}/{dtype}"] = [rel_l2(leaves[k].grad, e) for k, e in zip(GRAD_NAMES, expected)]
 code = _lib.DTYPE_BF16
-need = pymsda.ops.lib.msda_backward_workspace_size(2, 60, 2, 32, 2, 60, 2, code, 0, 0)
+need = pymsda._lib.lib.msda_backward_workspace_size(2, 60, 2, 32, 2, 60, 2, code, 0, 0)
 print(json.dumps({"errors": errors, "workspace": need, "library": pymsda.library_path()}))
 """
 

@@ -1,0 +1,160 @@
+/* kernels/backward.cu: the backward's entry points (msda_cuda_backward, the workspace size, the
+ * device facts the route depends on) and the host helpers the dtype instances share. */
+#include "backward.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// kernels of the launch itself
+
+/* grad_value = 0, 16 bytes a store, by a grid resident at once whose blocks let the dependent
+ * kernel launch at their start. MSDA_ZERO_THREADS threads a block, one block a multiprocessor:
+ * small enough to sit beside the 5 blocks of the aggregated kernel (their registers leave
+ * 4096 free), so that kernel runs at full occupancy while the zeroing goes on. */
+__global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int64_t n16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t stride = (int64_t)gridDim.x * MSDA_ZERO_THREADS;
+    int64_t j = (int64_t)blockIdx.x * MSDA_ZERO_THREADS + threadIdx.x;
+    for (; j + 3 * stride < n16; j += 4 * stride) /* four stores in flight a thread */
+        p[j] = z, p[j + stride] = z, p[j + 2 * stride] = z, p[j + 3 * stride] = z;
+    for (; j < n16; j += stride) p[j] = z;
+}
+
+
+/* Never launched: its PTX version tells which code this build runs on a device (sm90_code). */
+__global__ void code_probe() {}
+
+// ---------------------------------------------------------------------------------------------
+// host helpers
+
+/* Multiprocessors of a device, asked once; 0 where the question fails. */
+int sm_count(int device) {
+    static int known[64];
+    if (device < 0 || device >= 64) return 0;
+    if (known[device] == 0) {
+        int sms = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        known[device] = sms;
+    }
+    return known[device];
+}
+
+/* Whether the kernels that run on `device` are code for sm_90 or newer (half-precision vector
+ * reductions, programmatic dependent launch). The code a device runs is the build's machine
+ * code for its architecture or, failing that, PTX of an older one compiled for it: the kernels'
+ * PTX version says which, so a build without sm_90 code run on an H100 takes the older paths.
+ * Asked once per device; false where the question fails. */
+bool sm90_code(int device) {
+    static signed char known[64]; /* 0 unknown, 1 no, 2 yes */
+    if (device < 0 || device >= 64) return false;
+    if (known[device] == 0) {
+        DeviceGuard guard; /* the workspace query comes without one */
+        cudaFuncAttributes attr;
+        if (guard.select(device) != cudaSuccess ||
+            cudaFuncGetAttributes(&attr, code_probe) != cudaSuccess) {
+            cudaGetLastError();
+            return false;
+        }
+        known[device] = attr.ptxVersion >= 90 ? 2 : 1;
+    }
+    return known[device] == 2;
+}
+
+/* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
+msda_backward_plan plan_of(const msda_problem *pr) {
+    const bool sm90 = sm90_code(pr->device);
+    /* with MSDA_ROUTE_F32_WORKSPACE the kernels write the workspace instead of grad_value */
+    const void *written = msda_backward_f32_workspace(pr, sm90) ? pr->workspace : pr->grad_value;
+    msda_backward_plan plan;
+    msda_plan_backward(pr, aligned16(pr->value) && aligned16(pr->grad_output) && aligned16(written),
+                       sm_count(pr->device), sm90, &plan);
+    return plan;
+}
+
+/* The first `bytes` of grad_value = 0 on the stream (nothing to do for 0 bytes or without
+ * grad_value). In the launchers below `bytes` is what is still to be zeroed: 0 when the caller
+ * zeroed it already or needs no zeroing. */
+cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_t stream) {
+    if (bytes <= 0 || !pr->grad_value) return cudaSuccess;
+    return cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
+}
+
+/* grad_value (`bytes` of it) = 0 before `kernel`, then `kernel`: with sm_90 code, 16-byte
+ * multiples and alignment, by zero_kernel and a programmatic dependent launch of `kernel`
+ * (which must call grid_dep_wait before its first scatter); otherwise by memset_grad_value
+ * first. */
+cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
+                             const msda_problem *pr, cudaStream_t stream) {
+    bool pdl = false;
+    if (bytes > 0 && pr->grad_value) {
+        const int sms = sm_count(pr->device);
+        if (bytes % 16 == 0 && aligned16(pr->grad_value) && sms > 0 && sm90_code(pr->device)) {
+            const int64_t n16 = bytes / 16, want = (n16 + MSDA_ZERO_THREADS - 1) / MSDA_ZERO_THREADS;
+            zero_kernel<<<(unsigned int)(want < sms ? want : sms), MSDA_ZERO_THREADS, 0,
+                          stream>>>((float4 *)pr->grad_value, n16);
+            pdl = true;
+        } else {
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
+            if (e != cudaSuccess) return e;
+        }
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(256);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, *pr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// entry points
+
+extern "C" int msda_cuda_backward(const msda_problem *pr) {
+    static const char fn[] = "msda_backward";
+    DeviceGuard guard;
+    MSDA_CUDA_CHECK(fn, guard.select(pr->device));
+    cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
+    cudaStream_t stream = (cudaStream_t)pr->stream;
+    switch (pr->dtype) {
+    case MSDA_F32: MSDA_CUDA_CHECK(fn, msda_backward_launch_f32(pr, stream)); break;
+    case MSDA_F64: MSDA_CUDA_CHECK(fn, msda_backward_launch_f64(pr, stream)); break;
+    case MSDA_F16: MSDA_CUDA_CHECK(fn, msda_backward_launch_f16(pr, stream)); break;
+    case MSDA_BF16: MSDA_CUDA_CHECK(fn, msda_backward_launch_bf16(pr, stream)); break;
+    default: return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
+    }
+    MSDA_CUDA_CHECK(fn, cudaGetLastError());
+    return MSDA_OK;
+}
+
+extern "C" int64_t msda_cuda_workspace_size(const msda_problem *pr) {
+    /* MSDA_DETERMINISTIC: the header, then one 64-bit fixed-point accumulator per grad_value
+     * element; MSDA_ROUTE_F32_WORKSPACE: the f32 accumulation buffer (asked with a stand-in for
+     * grad_value: the callers size the workspace of a call that wants it) */
+    const int64_t n_value = pr->B * pr->S * pr->H * pr->C;
+    if (pr->flags & MSDA_DETERMINISTIC) return MSDA_DET_HEADER_BYTES + n_value * 8;
+    msda_problem wanted = *pr;
+    static char stand_in;
+    wanted.grad_value = &stand_in;
+    return msda_backward_f32_workspace(&wanted, sm90_code(pr->device)) ? n_value * 4 : 0;
+}
+
+extern "C" int msda_cuda_device_facts(int device, int *multiprocessors, int *sm90) {
+    static const char fn[] = "msda_backward_route";
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+        cudaGetLastError();
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: no CUDA device %d (%d visible)", fn,
+                              device, count);
+    }
+    *multiprocessors = sm_count(device);
+    *sm90 = sm90_code(device);
+    return MSDA_OK;
+}

@@ -1,0 +1,155 @@
+/* kernels/backward.cuh: the backward's launch, templated on the dtype (one instance file per
+ * dtype in kernels/instances/, so `make -j` compiles them in parallel). c/routes.c chooses the
+ * route once per call (msda_plan_backward); launch_backward switches on it: the modifiers first
+ * (f32 workspace, deterministic), then the group size G, then the kernel. */
+#pragma once
+
+#include "backward_agg.cuh"
+#include "backward_aux.cuh"
+#include "backward_generic.cuh"
+#include "backward_point.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// host helpers (kernels/backward.cu)
+
+/* Multiprocessors of a device, asked once; 0 where the question fails. */
+int sm_count(int device);
+/* Whether the kernels that run on `device` are code for sm_90 or newer (see backward.cu). */
+bool sm90_code(int device);
+/* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
+msda_backward_plan plan_of(const msda_problem *pr);
+/* The first `bytes` of grad_value = 0 on the stream (nothing to do for 0 bytes or without
+ * grad_value). In the launchers below `bytes` is what is still to be zeroed: 0 when the caller
+ * zeroed it already or needs no zeroing. */
+cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_t stream);
+/* grad_value (`bytes` of it) = 0 before `kernel`, then `kernel`: with sm_90 code, 16-byte
+ * multiples and alignment, by zero_kernel and a programmatic dependent launch of `kernel`
+ * (which must call grid_dep_wait before its first scatter); otherwise by memset_grad_value
+ * first. */
+cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
+                             const msda_problem *pr, cudaStream_t stream);
+
+/* One launcher per dtype (kernels/instances/backward_*.cu). */
+cudaError_t msda_backward_launch_f32(const msda_problem *pr, cudaStream_t stream);
+cudaError_t msda_backward_launch_f64(const msda_problem *pr, cudaStream_t stream);
+cudaError_t msda_backward_launch_f16(const msda_problem *pr, cudaStream_t stream);
+cudaError_t msda_backward_launch_bf16(const msda_problem *pr, cudaStream_t stream);
+
+static inline unsigned int flat_blocks(int64_t n) {
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 65536) blocks = 65536;
+    return (unsigned int)(blocks < 1 ? 1 : blocks);
+}
+
+
+static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// ---------------------------------------------------------------------------------------------
+// launch: the route's kernels, templated on the dtype
+
+/* The fast kernels of a plan (G = plan.group): one case per route. A route this instantiation
+ * does not build (the plan and the if constexpr below disagree) is a library bug. */
+template <typename T, int G, bool DET>
+static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan &plan,
+                               cudaStream_t stream, int64_t bytes) {
+    const dim3 grid(plan.blocks, plan.slices);
+    const bool opt = msda_needs_general(pr);
+    switch (plan.kernel) {
+    case MSDA_ROUTE_AGGREGATED:
+        if constexpr (G >= 4) {
+            const bool full = pr->grad_value && pr->grad_sampling_locations &&
+                              pr->grad_attention_weights;
+            if (opt)
+                return zero_then_launch(msda_backward_agg<T, G, true, DET, false>, grid, bytes,
+                                        pr, stream);
+            if constexpr (!DET) {
+                if (full)
+                    return zero_then_launch(msda_backward_agg<T, G, false, false, true>, grid,
+                                            bytes, pr, stream);
+            }
+            return zero_then_launch(msda_backward_agg<T, G, false, DET, false>, grid, bytes, pr,
+                                    stream);
+        }
+        break;
+    case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing (SPLIT) */
+        if constexpr (!DET)
+            return zero_then_launch(msda_backward_fast<T, G, false, false, true>, grid, bytes,
+                                    pr, stream);
+        break;
+    case MSDA_ROUTE_POINT_PIPELINED:
+        if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
+            /* f32: 2 channels a thread (G = 2 * C / 4 threads an item) */
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
+            if (e != cudaSuccess) return e;
+            msda_backward_fast<T, 2 * G, false, false, false, 2, true><<<grid, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        } else if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value) {
+            const cudaError_t e = memset_grad_value(pr, bytes, stream);
+            if (e != cudaSuccess) return e;
+            msda_backward_fast<T, G, false, false, false, 4, true><<<grid, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        }
+        break;
+    case MSDA_ROUTE_POINT: {
+        const cudaError_t e = memset_grad_value(pr, bytes, stream);
+        if (e != cudaSuccess) return e;
+        if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
+        else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
+        return cudaSuccess;
+    }
+    default: break;
+    }
+    return cudaErrorNotSupported;
+}
+
+template <typename T, bool DET>
+static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_plan &plan,
+                                  cudaStream_t stream, int64_t bytes) {
+    if constexpr (HasFast<T>::value) {
+        switch (plan.group) {
+        case 1: return launch_fast<T, 1, DET>(pr, plan, stream, bytes);
+        case 2: return launch_fast<T, 2, DET>(pr, plan, stream, bytes);
+        case 4: return launch_fast<T, 4, DET>(pr, plan, stream, bytes);
+        case 8: return launch_fast<T, 8, DET>(pr, plan, stream, bytes);
+        case 16: return launch_fast<T, 16, DET>(pr, plan, stream, bytes);
+        case 32: return launch_fast<T, 32, DET>(pr, plan, stream, bytes);
+        default: break;
+        }
+    }
+    if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
+    const cudaError_t e = memset_grad_value(pr, bytes, stream);
+    if (e != cudaSuccess) return e;
+    msda_backward_kernel<T, DET><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
+}
+
+template <typename T>
+static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) {
+    const int64_t n_value = pr->B * pr->S * pr->H * pr->C;
+    const msda_backward_plan plan = plan_of(pr);
+    if (plan.modifiers & MSDA_ROUTE_F32_WORKSPACE) {
+        if constexpr (IsHalf<T>::value) {
+            /* the kernels scatter into the f32 buffer, then it is converted */
+            msda_problem buffered = *pr;
+            buffered.grad_value = pr->workspace;
+            cudaError_t e = cudaMemsetAsync(pr->workspace, 0, (size_t)n_value * 4, stream);
+            if (e == cudaSuccess && plan.kernel != MSDA_ROUTE_NONE)
+                e = launch_kernels<T, false>(&buffered, plan, stream, 0);
+            if (e != cudaSuccess) return e;
+            half_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        }
+        return cudaErrorNotSupported;
+    }
+    if (plan.kernel == MSDA_ROUTE_NONE)
+        return memset_grad_value(pr, n_value * (int64_t)sizeof(T), stream);
+    if (!(plan.modifiers & MSDA_ROUTE_DETERMINISTIC))
+        return launch_kernels<T, false>(pr, plan, stream, n_value * (int64_t)sizeof(T));
+    cudaError_t e = cudaMemsetAsync(pr->workspace, 0, MSDA_DET_HEADER_BYTES + (size_t)n_value * 8, stream);
+    if (e != cudaSuccess) return e;
+    det_scan_kernel<T><<<flat_blocks(pr->B * pr->Q * pr->H * pr->C), 256, 0, stream>>>(*pr);
+    e = launch_kernels<T, true>(pr, plan, stream, 0);
+    if (e != cudaSuccess) return e;
+    det_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
+}

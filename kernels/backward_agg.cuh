@@ -1,0 +1,494 @@
+/* kernels/backward_agg.cuh: the aggregated backward (MSDA_ROUTE_AGGREGATED: encoders, whose
+ * Q * L * P >= 2 * S; gradients: c/msda.h). A block's queries sample many of the same pixels
+ * (realistic ddetr_enc: the corners of a chunk hit ~7x fewer distinct value rows), so the block
+ * first merges its corners per value row in a shared-memory hash table, then loads and updates
+ * each distinct row once: global atomics drop by the duplication factor. The steps per chunk
+ * are described above msda_backward_agg.
+ * Thread map: two items a group of G threads (staging as in kernels/staging.cuh); walkers of
+ * G / 2 lanes, 8 channels a lane, one walker per row segment.
+ * Numerics: f32 sums; per-point gradients from dots summed in a fixed order (bitwise repeatable);
+ * grad_value per row and block by atomics, or fixed point with MSDA_DETERMINISTIC.
+ * H100 (BENCHMARKS.md): ddetr_enc backward f32 / bf16 / f16 0.420 / 0.390 / 0.390 ms, m2f_enc
+ * 0.365 / 0.331 / 0.332 (the per-point kernel: ~0.88 ms at ddetr_enc f32; kernels/TUNING.md). */
+#pragma once
+
+#include "backward_common.cuh"
+
+/* Slot lists longer than MSDA_AGG_CAP are walked in segments by several walkers: the filer of a
+ * row's n-th slot (n = MSDA_AGG_CAP, 2 * MSDA_AGG_CAP, ...) marks it, and a segment runs from
+ * the list's head, or from a marked slot, to the next marked slot. */
+#define MSDA_AGG_CAP 16 /* 8 measured slower (more walkers and atomics) */
+#define MSDA_AGG_MARK 0x4000
+#define MSDA_AGG_LINK 0x3fff
+
+/* Per slot, one 8-byte word: {coefficient A * w_k as bits, (next slot of the row + 1) |
+ * MSDA_AGG_MARK}, so a step of the walk reads both at once. */
+
+/* The first slot of walk entry v (< 0: none), the key of its row and that slot's word m. A row
+ * entry (v < HS, its hash position) starts at the list's head unless that slot is marked (its
+ * own entry walks it); a marked entry (HS + slot) at its slot. */
+template <typename St>
+__device__ __forceinline__ void walk_entry(int v, const int *s_key, const int *s_head,
+                                           const int2 *s_meta, const int4 *s_offs, int &key,
+                                           int &j, int2 &m) {
+    key = 0, j = -1, m = make_int2(0, 0);
+    if (v < 0) return;
+    if (v < St::HS) {
+        key = s_key[v], j = s_head[v];
+        m = s_meta[j];
+        if (m.y & MSDA_AGG_MARK) j = -1;
+    } else {
+        j = v - St::HS;
+        const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
+        key = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
+        m = s_meta[j];
+    }
+}
+
+/* walk_entry for walker `walker` of WPB in the round of entries [e0, e0 + WPB). Every other
+ * round is handed out in reverse: the entries are sorted longest first, so warp 0 would
+ * otherwise get the longest segments of every round. */
+template <typename St, int WPB>
+__device__ __forceinline__ void round_entry(int e0, int walker, int nent, const short *s_ent,
+                                            const int *s_key, const int *s_head,
+                                            const int2 *s_meta, const int4 *s_offs, int &key,
+                                            int &j, int2 &m) {
+    const int e = e0 + ((e0 / WPB) & 1 ? WPB - 1 - walker : walker);
+    walk_entry<St>(e < nent ? s_ent[e] : -1, s_key, s_head, s_meta, s_offs, key, j, m);
+}
+
+/* The slot after the current one (whose word is m) in its segment, or -1; m becomes that
+ * slot's word. */
+__device__ __forceinline__ int next_slot_of(const int2 *s_meta, int2 &m) {
+    const int nx = (m.y & MSDA_AGG_LINK) - 1;
+    if (nx < 0) return -1;
+    m = s_meta[nx];
+    return m.y & MSDA_AGG_MARK ? -1 : nx;
+}
+
+/* Staging of the aggregated backward: IPB items (two per group of G threads) x K points per
+ * chunk (4 for C = 32, one level of Deformable DETR's points), NS corner slots, a hash table of
+ * HS = NS positions (at most NS distinct rows). */
+template <int G> struct StageAgg {
+    static constexpr int NT = 256;      /* threads a block */
+    static constexpr int GPB = 256 / G; /* groups per block */
+    static constexpr int K0 = G < 2 ? 2 : (G > 16 ? 16 : G);
+    static constexpr int MUL = K0 >= 2 ? 2 : 1; /* items per group */
+    static constexpr int IPB = GPB * MUL;       /* items per block */
+    static constexpr int K = K0 / MUL;          /* points per item per chunk */
+    /* unpadded: every access here takes (item, point) from consecutive threads, where
+     * Stage's padding (for groups that each read one point) only made bank conflicts */
+    static constexpr int STRIDE = K;
+    static constexpr int NS = IPB * K * 4; /* corner slots per chunk (<= 1024 for G >= 2) */
+    static constexpr int HS = NS;          /* hash positions */
+    static constexpr int HBITS = HS >= 2048 ? 11 : (HS >= 1024 ? 10 : 9);
+    static_assert((1 << HBITS) == HS, "HS is a power of two");
+    static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
+};
+
+/* Aggregated backward (not MSDA_DETERMINISTIC, G >= 4; chosen by aggregates()). A block holds
+ * 2 * 256 / G neighbouring queries of one head (head-major items; an encoder's in a tile of
+ * pixels, fill_items), whose points land on many of the same pixels: on realistic ddetr_enc
+ * inputs the 64 x 4 x 4 corners of a chunk hit ~7x fewer distinct value rows. Per staged chunk:
+ *   1. file: one thread per corner ("slot") files it under its row (value / grad_value offset)
+ *      in a shared-memory hash table (open addressing; a linked list of slots per row and a
+ *      count; new rows numbered warp by warp), with its coefficient A * w_k. The row's
+ *      MSDA_AGG_CAP-th, 2 * MSDA_AGG_CAP-th, ... slot is marked: it starts a segment of the
+ *      list. Walk entries: one per row (its list's head segment), one per marked slot;
+ *   2. sort the entries by their segments' estimated lengths (from the counts; counting sort,
+ *      longest first), so the walkers of a warp, which step together, have about the same
+ *      number of slots;
+ *   3. walk: one walker of G/2 lanes (8 channels a lane) per entry loads the value row once
+ *      and, over the segment's slots, sums coefficient * grad_output (then one 16-byte atomic
+ *      per 4 channels: global atomics drop by the duplication factor) and parks each slot's
+ *      grad_output . row in s_dot;
+ *   4. point gradients from the four dots of each point: with d_k = g . v_k,
+ *      dL/dA = sum_k w_k d_k, dL/dfx = (1-fy)(d1-d0) + fy(d3-d2),
+ *      dL/dfy = (1-fx)(d2-d0) + fx(d3-d1).
+ * Softmax: the per-item sum of A * dL/dA is gathered in shared memory (float atomics, so its
+ * order varies: MSDA_DETERMINISTIC with softmax takes msda_backward_fast).
+ * DET (MSDA_DETERMINISTIC): each contribution is rounded to the 64-bit fixed point on its own
+ * (as in msda_backward_fast, so grad_value has the same bits), the walk sums them as integers
+ * and adds each row's sums with one integer atomic per channel; lanes own channels
+ * part + (G/2) * q there, so a walker's atomics cover whole sectors. The point gradients come
+ * from dots summed in a fixed order either way. */
+#define MSDA_AGG_BUCKETS 16 /* segment lengths 1 .. 15 and 16 or more */
+template <typename T, int G, bool OPT, bool DET, bool FULL>
+__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
+    constexpr int V = 4;
+    typedef StageAgg<G> St;
+    /* One shared object, so every array is one base address plus a constant: with separate
+     * __shared__ arrays the compiler (48 registers) rebuilt each array's shared-window address
+     * (S2UR SR_CgaCtaId, ULEA) inside the walk loop, 13 of its 59 instructions a step. */
+    struct Shared {
+        int4 lvl[MSDA_FAST_MAX_LEVELS];
+        int4 offs[St::IPB * St::STRIDE];
+        float4 geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
+        float4 go[St::IPB * G];           /* grad_output of the block's items */
+        int2 meta[St::NS];                /* {A * w_k, link}, per slot (walk_entry) */
+        alignas(16) float dot[St::NS];     /* g . corner row, per slot (read as float4s) */
+        int2 item[St::IPB];               /* {row, head offset} per item */
+        float2 soft[OPT ? St::IPB : 1];
+        float smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
+        int key[St::HS];
+        int head[St::HS];
+        int cnt2[St::HS / 2]; /* slots filed per row, two 16-bit counts a word */
+        int bucket[MSDA_AGG_BUCKETS];
+        int nent;
+        short ent[St::NS];  /* walk entries (see above), filed, then longest first */
+    };
+    __shared__ Shared sm;
+    int4(&s_lvl)[MSDA_FAST_MAX_LEVELS] = sm.lvl;
+    int4(&s_offs)[St::IPB * St::STRIDE] = sm.offs;
+    float4(&s_geo)[St::IPB * St::STRIDE] = sm.geo;
+    float4(&s_go)[St::IPB * G] = sm.go;
+    int2(&s_meta)[St::NS] = sm.meta;
+    float(&s_dot)[St::NS] = sm.dot;
+    int2(&s_item)[St::IPB] = sm.item;
+    float2(&s_soft)[OPT ? St::IPB : 1] = sm.soft;
+    float(&s_smdot)[OPT ? St::IPB : 1] = sm.smdot;
+    int(&s_key)[St::HS] = sm.key;
+    int(&s_head)[St::HS] = sm.head;
+    int(&s_cnt2)[St::HS / 2] = sm.cnt2;
+    int(&s_bucket)[MSDA_AGG_BUCKETS] = sm.bucket;
+    int &s_nent = sm.nent;
+    short(&s_ent)[St::NS] = sm.ent;
+    const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
+    const T *gout = (const T *)pr.grad_output;
+    T *grad_loc = (T *)pr.grad_sampling_locations;
+    T *grad_attn = (T *)pr.grad_attention_weights;
+    /* FULL: every gradient wanted (compile-time, so the walk tests no pointer) */
+    const bool point_grads = FULL || grad_loc || grad_attn;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
+    const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
+    const bool softmax = OPT && (pr.flags & MSDA_SOFTMAX);
+    long long *det_acc = nullptr; /* DET: the fixed-point grad_value (see common.cuh) */
+    float scale = 0.f;
+    if (DET && pr.grad_value) {
+        det_acc = (long long *)((char *)pr.workspace + MSDA_DET_HEADER_BYTES);
+        scale = (float)det_scale(pr, (const DetHeader *)pr.workspace);
+    }
+    load_levels(pr, s_lvl);
+    for (int j = threadIdx.x; j < St::HS; j += 256) s_key[j] = -1, s_head[j] = -1;
+    for (int j = threadIdx.x; j < St::HS / 2; j += 256) s_cnt2[j] = 0;
+    if (threadIdx.x == 0) s_nent = 0;
+    if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
+    if (OPT && threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
+    __syncthreads();
+    /* blocks take the tiles last first: an encoder's items end with the queries of its
+     * coarse levels, whose points spread over the finer levels and aggregate least (the
+     * costliest blocks); started first, they no longer make the grid's tail */
+    const int n_tiles = (int)(((unsigned)n_items + St::IPB - 1) / St::IPB); /* no overflow */
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        const int base = (n_tiles - 1 - t) * St::IPB;
+        fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < St::MUL; m++) { /* each group loads St::MUL items */
+            const int il = local + m * St::GPB, item = base + il, row = s_item[il].x;
+            float go[V];
+            if (item < n_items) {
+                load_vec(gout + (int64_t)row * C + g * V, go);
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; j++) go[j] = 0.f;
+            }
+            s_go[il * G + g] = make_float4(go[0], go[1], go[2], go[3]);
+            group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft, il);
+        }
+        if (softmax) __syncthreads();
+        const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
+        for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
+            const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
+            stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
+                                           s_offs, s_geo);
+            __syncthreads();
+            /* file every inside corner under its row; new rows numbered warp by warp */
+            for (int j = threadIdx.x; j < St::NS; j += 256) { /* same trip count in every lane */
+                const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
+                const int o = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
+                unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
+                bool fresh = false, marked = false;
+                if (o >= 0) {
+                    const float4 geo = s_geo[il * St::STRIDE + k];
+                    const float wx = (c & 1) ? geo.y : 1.f - geo.y;
+                    const float wy = (c & 2) ? geo.z : 1.f - geo.z;
+                    const float cf = geo.x * (wx * wy);
+                    for (;;) {
+                        const int prev = atomicCAS(&s_key[hp], -1, o);
+                        if (prev == -1 || prev == o) {
+                            fresh = prev == -1;
+                            break;
+                        }
+                        hp = (hp + 1) & (St::HS - 1);
+                    }
+                    const int sh = 16 * (hp & 1);
+                    const int n = (atomicAdd(&s_cnt2[hp >> 1], 1 << sh) >> sh) & 0xffff;
+                    marked = n >= MSDA_AGG_CAP && n % MSDA_AGG_CAP == 0;
+                    const int prev = atomicExch(&s_head[hp], j);
+                    s_meta[j] = make_int2(__float_as_int(cf),
+                                          (prev + 1) | (marked ? MSDA_AGG_MARK : 0));
+                }
+                /* a walk entry for every new row (its hash position) and every marked slot
+                 * (HS + the slot) */
+                const unsigned m = __ballot_sync(0xffffffffu, fresh || marked);
+                int first = 0;
+                if (lane == 0 && m) first = atomicAdd(&s_nent, __popc(m));
+                first = __shfl_sync(0xffffffffu, first, 0);
+                if (fresh || marked)
+                    s_ent[first + __popc(m & ((1u << lane) - 1u))] =
+                        (short)(fresh ? (int)hp : St::HS + j);
+                if (fresh && marked) { /* the row's first filer came late: both entries */
+                    const int e2 = atomicAdd(&s_nent, 1);
+                    s_ent[e2] = (short)(St::HS + j);
+                }
+            }
+            __syncthreads();
+            const int nent = s_nent;
+            /* order the rows by the length of their slot lists, longest first (a counting sort
+             * into MSDA_AGG_BUCKETS buckets), so the walkers of a warp, which step together,
+             * get lists of about the same length */
+            constexpr int EPT = St::NS / 256; /* entries per thread at most */
+            int bucket[EPT], rank[EPT], entry[EPT];
+#pragma unroll
+            for (int r = 0; r < EPT; r++) {
+                const int e = threadIdx.x + r * 256;
+                bucket[r] = -1, rank[r] = 0, entry[r] = 0;
+                /* a warp with no entry in this round skips it whole: rows are a seventh
+                 * of the slots, so most warps have none past the first round */
+                if ((threadIdx.x & ~31) + r * 256 >= nent) continue;
+                int b = -1; /* -1: no entry */
+                entry[r] = e < nent ? s_ent[e] : 0;
+                if (e < nent) { /* segment length, estimated from the row's count */
+                    int len = MSDA_AGG_CAP;
+                    if (entry[r] < St::HS) {
+                        const int hp = entry[r], c = (s_cnt2[hp >> 1] >> (16 * (hp & 1))) & 0xffff;
+                        len = c <= MSDA_AGG_CAP ? c : (c - 1) % MSDA_AGG_CAP;
+                    }
+                    len = len < 1 ? 1 : (len > MSDA_AGG_BUCKETS ? MSDA_AGG_BUCKETS : len);
+                    b = MSDA_AGG_BUCKETS - len;
+                }
+                /* one shared atomic per bucket and warp: most rows fall into a few
+                 * buckets, and lanes adding to one shared word are serialised */
+                const unsigned peers = __match_any_sync(0xffffffffu, b);
+                const int leader = __ffs(peers) - 1;
+                int first = 0;
+                if (b >= 0 && lane == leader) first = atomicAdd(&s_bucket[b], __popc(peers));
+                first = __shfl_sync(0xffffffffu, first, leader);
+                bucket[r] = b;
+                rank[r] = first + __popc(peers & ((1u << lane) - 1u));
+            }
+            __syncthreads();
+            if (threadIdx.x < 32) { /* exclusive prefix sum of the bucket sizes */
+                const int n = threadIdx.x < MSDA_AGG_BUCKETS ? s_bucket[threadIdx.x] : 0;
+                int incl = n;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int t = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += t;
+                }
+                if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = incl - n;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < EPT; r++) {
+                const int e = threadIdx.x + r * 256;
+                if (e < nent) s_ent[s_bucket[bucket[r]] + rank[r]] = (short)entry[r];
+            }
+            __syncthreads();
+            if constexpr (DET) { /* as below, with fixed-point sums */
+                constexpr int WG = G / 2, WPB = 256 / WG;
+                const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
+                /* lane `part` owns channels part + WG * q: each of the 8 integer atomics of a
+                 * walker covers WG consecutive words (whole sectors) */
+                const float *s_gof = reinterpret_cast<const float *>(s_go);
+                const T *value = (const T *)pr.value;
+                for (int e0 = 0; e0 < nent; e0 += WPB) {
+                    int key, j;
+                    int2 m;
+                    round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
+                                         key, j, m);
+                    const bool active = j >= 0;
+                    float v[8];
+                    long long acc[8];
+#pragma unroll
+                    for (int q = 0; q < 8; q++) {
+                        v[q] = point_grads && j >= 0 ? to_acc(value[key + part + WG * q]) : 0.f;
+                        acc[q] = 0;
+                    }
+                    while (__any_sync(0xffffffffu, j >= 0)) {
+                        float d = 0.f;
+                        int next = -1;
+                        if (j >= 0) {
+                            const float *gi = s_gof + (j / (St::K * 4)) * C + part;
+                            const float cf = __int_as_float(m.x);
+#pragma unroll
+                            for (int q = 0; q < 8; q++) {
+                                const float gq = gi[WG * q];
+                                /* each contribution rounded to the fixed point on its own, as
+                                 * msda_backward_fast rounds them: the integer sum is exact */
+                                if (det_acc) acc[q] += llrintf(cf * gq * scale);
+                                d += gq * v[q];
+                            }
+                            next = next_slot_of(s_meta, m);
+                        }
+                        if (point_grads) {
+                            d = group_sum<WG>(d);
+                            if (j >= 0 && part == 0) s_dot[j] = d;
+                        }
+                        j = next;
+                    }
+                    if (det_acc && active) {
+#pragma unroll
+                        for (int q = 0; q < 8; q++)
+                            if (acc[q] != 0)
+                                atomicAdd((unsigned long long *)(det_acc + key + part + WG * q),
+                                          (unsigned long long)acc[q]);
+                    }
+                }
+            } else { /* walkers of WG lanes, 8 channels a lane: one walker per distinct row; all
+               * the loops below run the same trip count in every lane of a warp (full-warp
+               * votes), so the group sums shuffle with the full mask */
+                constexpr int WG = G / 2, WPB = 256 / WG;
+                const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
+                /* odd walkers take their lane's two 4-channel halves in the other order, so the
+                 * two walkers of a quarter warp read s_go from different banks */
+                const int h0 = part * 8 + (walker & 1) * 4, h1 = part * 8 + 4 - (walker & 1) * 4;
+                const T *vrow = (const T *)pr.value + part * 8;
+                float *gv_row = (float *)pr.grad_value;
+                const bool want_gv = FULL || gv_row; /* compile-time true with FULL */
+                /* s_go indexed as float4s of the shared array itself (a generic pointer into it
+                 * had the compiler recompute shared addresses in every step of the walk) */
+                const int q0 = h0 >> 2, q1 = h1 >> 2;
+                if (want_gv) grid_dep_wait(); /* zero_kernel done (at once after the first) */
+                for (int e0 = 0; e0 < nent; e0 += WPB) {
+                    int key, j;
+                    int2 m;
+                    round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
+                                         key, j, m);
+                    const bool active = j >= 0;
+                    float v[8], a0[4], a1[4];
+                    if (point_grads && j >= 0) {
+                        float u[8];
+                        load_vec8(vrow + (unsigned)key, u);
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            v[q] = (walker & 1) ? u[q + 4] : u[q];
+                            v[q + 4] = (walker & 1) ? u[q] : u[q + 4];
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < 4; q++) a0[q] = a1[q] = 0.f;
+                    while (__any_sync(0xffffffffu, j >= 0)) {
+                        float d = 0.f;
+                        int next = -1;
+                        if (j >= 0) {
+                            const int il = j / (St::K * 4);
+                            const float4 g0 = s_go[il * G + q0];
+                            const float4 g1 = s_go[il * G + q1];
+                            if (want_gv) {
+                                const float cf = __int_as_float(m.x);
+                                a0[0] += cf * g0.x, a0[1] += cf * g0.y;
+                                a0[2] += cf * g0.z, a0[3] += cf * g0.w;
+                                a1[0] += cf * g1.x, a1[1] += cf * g1.y;
+                                a1[2] += cf * g1.z, a1[3] += cf * g1.w;
+                            }
+                            /* the two 4-channel halves summed apart, then added: the same
+                             * bits whichever half a walker takes first (odd and even walkers
+                             * differ), so the point gradients do not depend on the order of
+                             * the walk (which walker gets a row varies from run to run) */
+                            if (point_grads) {
+                                const float d0 = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] +
+                                                 g0.w * v[3];
+                                const float d1 = g1.x * v[4] + g1.y * v[5] + g1.z * v[6] +
+                                                 g1.w * v[7];
+                                d = d0 + d1;
+                            }
+                            next = next_slot_of(s_meta, m);
+                        }
+                        if (point_grads) {
+                            d = group_sum<WG>(d);
+                            if (j >= 0 && part == 0) s_dot[j] = d;
+                        }
+                        j = next;
+                    }
+                    if (want_gv && active) {
+                        if constexpr (NativeHalf<T, DET>::value) {
+                            /* the lane's 8 channels in order: odd walkers hold them swapped */
+                            float a8[8];
+#pragma unroll
+                            for (int q = 0; q < 4; q++) {
+                                a8[q] = (walker & 1) ? a1[q] : a0[q];
+                                a8[q + 4] = (walker & 1) ? a0[q] : a1[q];
+                            }
+                            red_half<T, 8>((T *)pr.grad_value + (unsigned)key + part * 8, a8);
+                        } else {
+                            atomic_add_vec<4>(gv_row + (unsigned)key + h0, a0);
+                            atomic_add_vec<4>(gv_row + (unsigned)key + h1, a1);
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+            /* empty the table (the next chunk's barrier orders this before its filing) */
+            for (int e = threadIdx.x; e < nent; e += 256) {
+                const int hp = s_ent[e];
+                if (hp < St::HS) s_key[hp] = -1, s_head[hp] = -1, s_cnt2[hp >> 1] = 0;
+            }
+            if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
+            if (point_grads) {
+                for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+                    const int il = j / St::K, k = j % St::K;
+                    if (base + il >= n_items || k >= kn) continue;
+                    const int4 o4 = s_offs[il * St::STRIDE + k];
+                    const float4 geo = s_geo[il * St::STRIDE + k];
+                    const float a = geo.x, fx = geo.y, fy = geo.z;
+                    /* one 16-byte read of the point's four dots (four 4-byte reads at a
+                     * 16-byte stride took four wavefronts each); slots of corners outside hold
+                     * stale values, masked here */
+                    const float4 d4 = reinterpret_cast<const float4 *>(s_dot)[j];
+                    const float d0 = o4.x >= 0 ? d4.x : 0.f;
+                    const float d1 = o4.y >= 0 ? d4.y : 0.f;
+                    const float d2 = o4.z >= 0 ? d4.z : 0.f;
+                    const float d3 = o4.w >= 0 ? d4.w : 0.f;
+                    const float s_a = (1.f - fx) * (1.f - fy) * d0 + fx * (1.f - fy) * d1 +
+                                      (1.f - fx) * fy * d2 + fx * fy * d3;
+                    const bool hit = o4.x >= 0 || o4.y >= 0 || o4.z >= 0 || o4.w >= 0;
+                    const int pidx = p0 + k;
+                    const int64_t i = (int64_t)s_item[il].x * LP + pidx;
+                    if (softmax && grad_attn) atomicAdd(&s_smdot[il], a * s_a);
+                    if (grad_attn) grad_attn[i] = from_acc<T>(s_a);
+                    if (grad_loc && (!hit || nearest)) {
+                        grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
+                    } else if (grad_loc) {
+                        const float s_x = (1.f - fy) * (d1 - d0) + fy * (d3 - d2);
+                        const float s_y = (1.f - fx) * (d2 - d0) + fx * (d3 - d1);
+                        const int l = level_of<OPT>(pr, pidx);
+                        const float W_l = (float)s_lvl[l].y, H_l = (float)s_lvl[l].x;
+                        grad_loc[2 * i] = from_acc<T>(a * s_x * W_l);
+                        grad_loc[2 * i + 1] = from_acc<T>(a * s_y * H_l);
+                    }
+                }
+            }
+            if (threadIdx.x == 0) s_nent = 0;
+            __syncthreads();
+        }
+        if (softmax && grad_attn) { /* dL/dz = A * (dL/dA - dot), see msda_backward_fast */
+            for (int m = 0; m < St::MUL; m++) {
+                const int il = local + m * St::GPB;
+                if (base + il >= n_items) continue;
+                const float2 soft = s_soft[il];
+                const float dot = s_smdot[il];
+                const int64_t row = s_item[il].x;
+                const T *z = (const T *)pr.attention_weights;
+                for (int pidx = g; pidx < LP; pidx += G) {
+                    const int64_t i = row * LP + pidx;
+                    const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
+                    grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
+        }
+    }
+}

@@ -1,0 +1,201 @@
+/* kernels/forward.cu: MSDA forward on CUDA (math: c/msda.h).
+ * Fast kernel (f32/f16/bf16, C = 4 * 2^k up to 128, < 2^31 elements, aligned): the staging of
+ * kernels/staging.cuh with the corner weights premultiplied by A; a group of G threads an item,
+ * 4 channels a thread (16-byte f32 loads), or 8 in half types from 65536 items on (one 16-byte
+ * load a corner, 128-thread blocks); the point loop unrolled 8 times; corner slots ordered by
+ * pixel parity so neighbouring queries ask for shared pixels in the same load. Generic kernel
+ * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets.
+ * Numerics: f32 accumulation (f64 for f64), one rounding to the output type.
+ * H100 (BENCHMARKS.md): ddetr_enc f32 / bf16 / f16 0.166 / 0.119 / 0.118 ms, dino_dec900 0.020 /
+ * 0.015 / 0.015, m2f_enc 0.150 / 0.113 / 0.110; why this form: kernels/TUNING.md. */
+#include <type_traits>
+
+#include "staging.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// kernel
+
+template <typename T>
+__global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
+    typedef typename AccOf<T>::type Acc;
+    const T *value = (const T *)pr.value;
+    const T *loc = (const T *)pr.sampling_locations;
+    const T *attn = (const T *)pr.attention_weights;
+    T *out = (T *)pr.output;
+    const int64_t H = pr.H, C = pr.C, L = pr.L, Q = pr.Q, NP = pr.NP;
+    const int lane = threadIdx.x & 31;
+    const int64_t n_items = pr.B * Q * H;
+    const int64_t stride = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t qh = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; qh < n_items;
+         qh += stride) {
+        const int64_t b = qh / (Q * H), h = qh % H;
+        Acc mx = 0, inv = 1;
+        if (pr.flags & MSDA_SOFTMAX) softmax_stats<Acc>(attn + qh * NP, NP, lane, mx, inv);
+        for (int64_t c0 = 0; c0 < C; c0 += 32) {
+            const int64_t c = c0 + lane;
+            Acc acc = 0;
+            for (int64_t l = 0; l < L; l++) {
+                const int64_t H_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
+                const int64_t W_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
+                const int64_t start = load_index(pr.level_start_index, pr.index_dtype, l);
+                const int64_t p_end = level_point_begin(pr, l + 1);
+                for (int64_t p = level_point_begin(pr, l); p < p_end; p++) {
+                    const int64_t i = qh * NP + p;
+                    Point<Acc> pt;
+                    if (!generic_point<Acc>(pr, loc, i, H_l, W_l, start, b, h, pt)) continue;
+                    const Acc a = attention<Acc>(pr, to_acc(attn[i]), mx, inv);
+                    if (c < C) {
+#pragma unroll
+                        for (int k = 0; k < 4; k++)
+                            if (pt.inside[k]) acc += a * pt.w[k] * to_acc(value[pt.off[k] + c]);
+                    }
+                }
+            }
+            if (c < C) out[qh * C + c] = from_acc<T>(acc);
+        }
+    }
+}
+
+/* Threads a block of the 8-channel (half-type) kernels (32 items of 4 threads, all 16 points
+ * of an item staged at once; 10 blocks a multiprocessor): 128 measured 3-5% faster than
+ * 256 and 8% faster than 64. The 4-channel kernels keep 256. */
+#ifndef MSDA_FWD_WIDE_THREADS
+#define MSDA_FWD_WIDE_THREADS 128
+#endif
+/* Unrolling of the point loop: 8 measured 2-4% faster than 4 (more gathers in flight, the
+ * same registers), 16 slower in f32 and m2f_enc. */
+#ifndef MSDA_FWD_UNROLL
+#define MSDA_FWD_UNROLL 8
+#endif
+static constexpr int kFwdUnroll = MSDA_FWD_UNROLL;
+template <int V> struct FwdThreads {
+    static constexpr int NT = V == 8 ? MSDA_FWD_WIDE_THREADS : 256;
+};
+
+template <typename T, int G, bool OPT, int V>
+__global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_problem pr) {
+    static_assert(V == 4 || V == 8, "4 or 8 channels a thread");
+    typedef Stage<G, FwdThreads<V>::NT> St;
+    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
+    __shared__ int4 s_offs[St::IPB * St::STRIDE];
+    __shared__ float4 s_w[St::IPB * St::STRIDE];
+    __shared__ float2 s_soft[OPT ? St::IPB : 1]; /* softmax {max, 1 / sum} per item */
+    __shared__ int2 s_item[St::IPB];             /* {row, head offset} per item */
+    const T *value = (const T *)pr.value + threadIdx.x % G * V;
+    /* value held in a register pair, opaque to the compiler: a corner's address is then one
+     * IMAD.WIDE.U32 (value + o) instead of the lane offset folded into the index, a 64-bit
+     * add, a shift and the base reloaded from the constant bank (5-6 instructions a corner) */
+    asm("" : "+l"(value));
+    T *out = (T *)pr.output;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
+    const int local = threadIdx.x / G, g = threadIdx.x % G;
+    load_levels(pr, s_lvl);
+    __syncthreads();
+    /* unsigned: with more than 2^30 items, base + gridDim.x * IPB passes 2^31 - 1 (int would
+     * wrap negative and run again on items before the first), never 2^32 - 1 */
+    for (unsigned ub = blockIdx.x * St::IPB; ub < (unsigned)n_items; ub += gridDim.x * St::IPB) {
+        const int base = (int)ub;
+        const int item = base + local;
+        float acc[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] = 0.f;
+        fill_items<T, true, 0>(pr, s_lvl, base, n_items, St::IPB, s_item);
+        __syncthreads();
+        const int row = s_item[local].x;
+        group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
+        if (OPT && (pr.flags & MSDA_SOFTMAX)) __syncthreads();
+        for (int p0 = 0; p0 < LP; p0 += St::K) {
+            const int kn = LP - p0 < St::K ? LP - p0 : St::K;
+            stage_chunk<T, true, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft, s_offs,
+                                          s_w);
+            __syncthreads();
+#pragma unroll kFwdUnroll
+            for (int k = 0; k < kn; k++) {
+                const int4 o4 = s_offs[local * St::STRIDE + k];
+                const float4 w4 = s_w[local * St::STRIDE + k];
+                const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+                const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    if (o[c] < 0) continue;
+                    float v[V];
+                    if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
+                    else load_vec(value + (unsigned)o[c], v); /* o >= 0: one IMAD.WIDE.U32 */
+#pragma unroll
+                    for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
+                }
+            }
+            __syncthreads();
+        }
+        if (item < n_items) {
+            if constexpr (V == 8) store_vec8(out + (int64_t)row * C + g * V, acc);
+            else store_vec(out + (int64_t)row * C + g * V, acc);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// launcher
+
+/* Items from which half types take 8 channels a thread (one 16-byte load a corner, half the
+ * threads): encoders gain, while a decoder's few thousand items would fill too few
+ * threads (dino_dec900 twice as slow; kernels/TUNING.md). */
+#define MSDA_FWD_WIDE_MIN_ITEMS 65536
+
+template <typename T, int G, int V>
+static void launch_fast_v(const msda_problem *pr, cudaStream_t stream) {
+    constexpr int NT = FwdThreads<V>::NT;
+    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, NT / G);
+    if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, NT, 0, stream>>>(*pr);
+    else msda_forward_fast<T, G, false, V><<<blocks, NT, 0, stream>>>(*pr);
+}
+
+/* G = C / 4 (fast_group) */
+template <typename T, int G>
+static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
+    if constexpr (!std::is_same<T, float>::value && G >= 2) {
+        if (pr->B * pr->Q * pr->H >= MSDA_FWD_WIDE_MIN_ITEMS) {
+            launch_fast_v<T, G / 2, 8>(pr, stream);
+            return cudaSuccess;
+        }
+    }
+    launch_fast_v<T, G, 4>(pr, stream);
+    return cudaSuccess;
+}
+
+template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
+    if constexpr (HasFast<T>::value) {
+        const void *ptrs[] = {pr->value, pr->output};
+        switch (fast_group(pr, ptrs, 2)) {
+        case 1: return launch_fast<T, 1>(pr, stream);
+        case 2: return launch_fast<T, 2>(pr, stream);
+        case 4: return launch_fast<T, 4>(pr, stream);
+        case 8: return launch_fast<T, 8>(pr, stream);
+        case 16: return launch_fast<T, 16>(pr, stream);
+        case 32: return launch_fast<T, 32>(pr, stream);
+        default: break;
+        }
+    }
+    msda_forward_kernel<T><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    return cudaSuccess;
+}
+
+// ---------------------------------------------------------------------------------------------
+// entry point
+
+extern "C" int msda_cuda_forward(const msda_problem *pr) {
+    static const char fn[] = "msda_forward";
+    DeviceGuard guard;
+    MSDA_CUDA_CHECK(fn, guard.select(pr->device));
+    cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
+    cudaStream_t stream = (cudaStream_t)pr->stream;
+    switch (pr->dtype) {
+    case MSDA_F32: MSDA_CUDA_CHECK(fn, launch<float>(pr, stream)); break;
+    case MSDA_F64: MSDA_CUDA_CHECK(fn, launch<double>(pr, stream)); break;
+    case MSDA_F16: MSDA_CUDA_CHECK(fn, launch<__half>(pr, stream)); break;
+    case MSDA_BF16: MSDA_CUDA_CHECK(fn, launch<__nv_bfloat16>(pr, stream)); break;
+    default: return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
+    }
+    MSDA_CUDA_CHECK(fn, cudaGetLastError());
+    return MSDA_OK;
+}

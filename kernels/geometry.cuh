@@ -1,0 +1,204 @@
+/* kernels/geometry.cuh: where a sampling location falls (the math: c/msda.h), once for every
+ * kernel, so the forward and the backward see the same corners and weights.
+ * locate (generic kernels, 64-bit) and locate32 (fast kernels, sides up to 2^24) place
+ * (loc_x, loc_y) on a level: x = loc_x*W - 0.5, the top-left corner of its cell and the in-cell
+ * fraction, with loc*W split into its rounded product and the exact rounding error (fma), so the
+ * fraction is accurate to an ulp of itself, not of x. A corner outside the level, or whose flat
+ * index falls outside [0, S), is skipped: lying shape tables give wrong numbers at worst, never
+ * an out-of-bounds access. Also nearest-pixel sampling, an item's softmax statistics, and the
+ * fast kernels' level table in shared memory. */
+#pragma once
+
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// sampling geometry
+
+__device__ __forceinline__ int64_t load_index(const void *p, int index_dtype, int64_t i) {
+    return index_dtype == MSDA_I64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+
+/* Places (loc_x, loc_y) on a level of H_l x W_l pixels: x = loc_x*W_l - 0.5 (likewise y), the
+ * top-left corner (x0, y0) of its cell and the in-cell fraction (fx, fy). Returns false when no
+ * corner can be inside the level (NaN and infinite locations included) or the level is absurd.
+ * loc*W is split into its rounded product and the exact rounding error (fma), so the fraction
+ * is accurate to about one ulp of itself rather than one ulp of x. */
+template <typename Acc>
+__device__ __forceinline__ bool locate(Acc loc_x, Acc loc_y, int64_t H_l, int64_t W_l,
+                                       int64_t &x0, int64_t &y0, Acc &fx, Acc &fy) {
+    if (H_l <= 0 || W_l <= 0 || H_l > ((int64_t)1 << 40) || W_l > ((int64_t)1 << 40)) return false;
+    const Acc Wf = (Acc)W_l, Hf = (Acc)H_l;
+    const Acc px = loc_x * Wf, py = loc_y * Hf;
+    const Acc ex = fma_acc(loc_x, Wf, -px), ey = fma_acc(loc_y, Hf, -py);
+    const Acc x = px - (Acc)0.5, y = py - (Acc)0.5;
+    if (!(x > (Acc)-1 && y > (Acc)-1 && x < Wf && y < Hf)) return false;
+    const Acc x0f = floor(x), y0f = floor(y);
+    x0 = (int64_t)x0f;
+    y0 = (int64_t)y0f;
+    fx = (x - x0f) + ex;
+    fy = (y - y0f) + ey;
+    /* x rounded onto or across an integer that the exact x = x + ex does not reach: take the
+     * cell of the exact x, or the location gradient would use the neighbouring cell's slope. */
+    if (fx < (Acc)0) x0 -= 1, fx += (Acc)1;
+    else if (fx >= (Acc)1) x0 += 1, fx -= (Acc)1;
+    if (fy < (Acc)0) y0 -= 1, fy += (Acc)1;
+    else if (fy >= (Acc)1) y0 += 1, fy -= (Acc)1;
+    return true;
+}
+
+/* Flat position in [0, S) of pixel (yy, xx) of the level starting at `start`, or -1 when the
+ * pixel is outside the level or the position outside [0, S): lying shape tables give wrong
+ * numbers at worst, never an out-of-bounds access (unsigned arithmetic wraps, never overflows). */
+__device__ __forceinline__ int64_t pixel_index(int64_t yy, int64_t xx, int64_t H_l, int64_t W_l,
+                                               int64_t start, int64_t S) {
+    const uint64_t idx = (uint64_t)start + (uint64_t)yy * (uint64_t)W_l + (uint64_t)xx;
+    const bool in = yy >= 0 && yy < H_l && xx >= 0 && xx < W_l && idx < (uint64_t)S;
+    return in ? (int64_t)idx : -1;
+}
+
+/* One sampling point of one (b, h) for the generic kernels: element offsets of its 4 corner rows
+ * in (B, S, H, C), their bilinear weights (k = 2*dy + dx), the in-cell fraction, and which
+ * corners are inside. */
+template <typename Acc> struct Point {
+    int64_t off[4];
+    Acc w[4];
+    Acc fx, fy;
+    bool inside[4];
+};
+
+template <typename Acc>
+__device__ __forceinline__ bool sample_point(Acc loc_x, Acc loc_y, int64_t H_l, int64_t W_l,
+                                             int64_t start, int64_t S, int64_t H, int64_t C,
+                                             int64_t b, int64_t h, Point<Acc> &pt) {
+    int64_t x0, y0;
+    Acc fx, fy;
+    if (!locate(loc_x, loc_y, H_l, W_l, x0, y0, fx, fy)) return false;
+    pt.fx = fx;
+    pt.fy = fy;
+    pt.w[0] = ((Acc)1 - fx) * ((Acc)1 - fy);
+    pt.w[1] = fx * ((Acc)1 - fy);
+    pt.w[2] = ((Acc)1 - fx) * fy;
+    pt.w[3] = fx * fy;
+    bool any = false;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int64_t idx = pixel_index(y0 + (k >> 1), x0 + (k & 1), H_l, W_l, start, S);
+        pt.inside[k] = idx >= 0;
+        pt.off[k] = idx >= 0 ? ((b * S + idx) * H + h) * C : 0;
+        any |= idx >= 0;
+    }
+    return any;
+}
+
+/* A product rounded on its own, never fused into a following addition (as the CPU and torch
+ * compute loc * W + 0.5). */
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+/* nearest-pixel sampling (MSDA_NEAREST): the single pixel (clamp(floor(x*W + 0.5), 0, W-1),
+ * clamp(floor(y*H + 0.5), 0, H-1)) as a Point whose corner 0 carries weight 1 (fx = fy = 0).
+ * False for a non-finite location or a pixel outside [0, S). */
+template <typename Acc>
+__device__ __forceinline__ bool nearest_point(Acc loc_x, Acc loc_y, int64_t H_l, int64_t W_l,
+                                              int64_t start, int64_t S, int64_t H, int64_t C,
+                                              int64_t b, int64_t h, Point<Acc> &pt) {
+    if (H_l <= 0 || W_l <= 0 || H_l > ((int64_t)1 << 40) || W_l > ((int64_t)1 << 40)) return false;
+    if (!(isfinite(loc_x) && isfinite(loc_y))) return false;
+    const Acc Wf = (Acc)W_l, Hf = (Acc)H_l;
+    /* clamped as floats first, so a huge coordinate never overflows the integer conversion */
+    const Acc xf = fmin(fmax(floor(mul_rn(loc_x, Wf) + (Acc)0.5), (Acc)0), Wf - (Acc)1);
+    const Acc yf = fmin(fmax(floor(mul_rn(loc_y, Hf) + (Acc)0.5), (Acc)0), Hf - (Acc)1);
+    const int64_t idx = pixel_index((int64_t)yf, (int64_t)xf, H_l, W_l, start, S);
+    if (idx < 0) return false;
+    pt.fx = pt.fy = (Acc)0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) pt.w[k] = (Acc)(k == 0), pt.inside[k] = k == 0, pt.off[k] = 0;
+    pt.off[0] = ((b * S + idx) * H + h) * C;
+    return true;
+}
+
+/* The point of sampling_locations index i (of level l) for the generic kernels, bilinear or
+ * nearest as pr.flags says. */
+template <typename Acc, typename T>
+__device__ __forceinline__ bool generic_point(const msda_problem &pr, const T *loc, int64_t i,
+                                              int64_t H_l, int64_t W_l, int64_t start, int64_t b,
+                                              int64_t h, Point<Acc> &pt) {
+    const Acc x = to_acc(loc[2 * i]), y = to_acc(loc[2 * i + 1]);
+    if (pr.flags & MSDA_NEAREST) return nearest_point<Acc>(x, y, H_l, W_l, start, pr.S, pr.H, pr.C, b, h, pt);
+    return sample_point<Acc>(x, y, H_l, W_l, start, pr.S, pr.H, pr.C, b, h, pt);
+}
+
+/* First point of level l (l = L gives the total) in the (b, q, h) item's points. */
+__device__ __forceinline__ int64_t level_point_begin(const msda_problem &pr, int64_t l) {
+    return pr.uniform_points ? l * pr.P : (int64_t)pr.point_start[l];
+}
+
+/* MSDA_SOFTMAX, generic kernels: the whole warp computes the maximum and 1 / sum(exp(z - max))
+ * of the n logits z of one item (lane-strided, then shuffles: every lane gets the same result
+ * in the same order). */
+template <typename Acc, typename T>
+__device__ __forceinline__ void softmax_stats(const T *z, int64_t n, int lane, Acc &mx, Acc &inv) {
+    Acc m = -INFINITY;
+    for (int64_t j = lane; j < n; j += 32) m = fmax(m, to_acc(z[j]));
+    m = warp_max(m);
+    Acc s = 0;
+    for (int64_t j = lane; j < n; j += 32) s += exp(to_acc(z[j]) - m);
+    s = warp_sum(s);
+    mx = m;
+    inv = (Acc)1 / s;
+}
+
+/* The attention weight of a point: the given weight, or its softmax probability. */
+template <typename Acc>
+__device__ __forceinline__ Acc attention(const msda_problem &pr, Acc z, Acc mx, Acc inv) {
+    return (pr.flags & MSDA_SOFTMAX) ? exp(z - mx) * inv : z;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the fast kernels' 32-bit form (sides up to 2^24, a level table in shared memory)
+
+
+/* The fast kernels' level table, read into shared memory once per block as {H_l, W_l, start}.
+ * A level whose sizes or start cannot belong to value (a side outside [1, 2^24], a start outside
+ * [0, S)) is stored as {0, 0, 0} and rejected by locate32. The caller synchronises. */
+__device__ __forceinline__ void load_levels(const msda_problem &pr, int4 *s_lvl) {
+    for (int l = threadIdx.x; l < pr.L; l += blockDim.x) {
+        const int64_t h = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
+        const int64_t w = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
+        const int64_t start = load_index(pr.level_start_index, pr.index_dtype, l);
+        const bool ok = h >= 1 && w >= 1 && h <= (1 << 24) && w <= (1 << 24) && start >= 0 &&
+                        start < pr.S;
+        s_lvl[l] = ok ? make_int4((int)h, (int)w, (int)start, 0) : make_int4(0, 0, 0, 0);
+    }
+}
+
+/* locate() in 32-bit arithmetic, for sides up to 2^24 (exact as floats). */
+__device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int &x0, int &y0,
+                                         float &fx, float &fy) {
+    if (lvl.y <= 0) return false;
+    const float Wf = (float)lvl.y, Hf = (float)lvl.x;
+    const float px = loc_x * Wf, py = loc_y * Hf;
+    const float ex = fmaf(loc_x, Wf, -px), ey = fmaf(loc_y, Hf, -py);
+    const float x = px - 0.5f, y = py - 0.5f;
+    if (!(x > -1.f && y > -1.f && x < Wf && y < Hf)) return false;
+    const float x0f = floorf(x), y0f = floorf(y);
+    x0 = (int)x0f;
+    y0 = (int)y0f;
+    fx = (x - x0f) + ex;
+    fy = (y - y0f) + ey;
+    if (fx < 0.f) x0 -= 1, fx += 1.f; /* the cell of the exact x: see locate() */
+    else if (fx >= 1.f) x0 += 1, fx -= 1.f;
+    if (fy < 0.f) y0 -= 1, fy += 1.f;
+    else if (fy >= 1.f) y0 += 1, fy -= 1.f;
+    return true;
+}
+
+/* Level of point `pidx` of an item. OPT (in every fast-path helper): the problem may use
+ * options (per-level point counts, MSDA_NEAREST, MSDA_SOFTMAX); without it their code is
+ * compiled out, which keeps the plain kernels' registers as they were. */
+template <bool OPT> __device__ __forceinline__ int level_of(const msda_problem &pr, int pidx) {
+    if (!OPT || pr.uniform_points) return pidx / (int)pr.P;
+    int l = 0;
+    while (pidx >= pr.point_start[l + 1]) l++; /* pidx < point_start[L] = NP */
+    return l;
+}

@@ -1,0 +1,265 @@
+/* kernels/staging.cuh: the fast kernels' staging (forward and backward).
+ * Thread map: a group of G = C / 4 threads owns one (b, q, h) item, 4 channels a thread; a block
+ * holds 256 / G items, taken head-major (a block's items are queries of one head, which sample
+ * overlapping pixels), an encoder's as tiles of neighbouring pixels. The geometry of K points
+ * per item is computed once per point by the whole block and kept in shared memory (corner
+ * offsets, or -1 outside; weights), then read by every thread of the item's group.
+ * Host side: fast_group (G, or 0 where the generic kernels must serve: c/routes.c) and the grid
+ * size. Item indices and offsets are int32: the fast path needs B*S*H*C < 2^31. */
+#pragma once
+
+#include "geometry.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// fast path: 16-byte channel vectors and sampling geometry staged in shared memory
+//
+// A group of G = C / 4 threads owns one (b, q, h) item, each thread 4 channels (one 16-byte load
+// per corner in f32, 8 bytes in f16/bf16; one 16-byte f32 atomic per corner in the backward). A block of 256 threads holds 256 / G items. The geometry of the
+// items' sampling points is computed once per point (not once per thread, as in the generic
+// kernels) by the whole block, K points per item at a time, and kept in shared memory:
+//   offs: for each corner, the element offset of its channel 0 for this head, or -1 if outside;
+//   geo:  the 4 corner weights times A (forward), or {A, fx, fy, 0} (backward).
+// Conditions: T is float, __half or __nv_bfloat16; C = 4*G with G a power of two <= 32;
+// B*S*H*C < 2^31, B*Q*H <= 2^31 - 1024 (c/routes.c, msda_fast_group); value (and grad_value,
+// output) 16-byte aligned. Otherwise the generic kernels run.
+
+
+/* Points per item staged at once: 16, fewer for small groups so shared memory stays small. */
+template <int G, int NT_ = 256> struct Stage {
+    static constexpr int NT = NT_;                                       /* threads a block */
+    static constexpr int IPB = NT / G;                                   /* items per block */
+    static constexpr int K = (512 / IPB) > 16 ? 16 : ((512 / IPB) < 2 ? 2 : 512 / IPB);
+    static constexpr int STRIDE = K + 1; /* padded so groups in a warp hit different banks */
+};
+
+/* Item order of the fast kernels: head-major, item = (b*H + h)*Q + r, so a block's items are
+ * queries of one head that sample overlapping pixels of that head's value rows (the aggregated
+ * backward depends on it; the forward gains L1 hits). The query of rank r is r itself, or, in
+ * the backward of an encoder (encoder_tiles), the r-th pixel in tile order, so that a block's
+ * items are a tile of pixels (8 x 8 for the aggregated backward's 64) instead of a run of one
+ * pixel row: on realistic ddetr_enc inputs 32 items' corners then fall on 0.18 distinct value
+ * rows per corner instead of 0.28 (64 items: 0.14), and the aggregated backward loads and
+ * updates that many fewer rows (the forward lost with it; kernels/TUNING.md). item_row gives the item's row (b*Q + q)*H + h in
+ * grad_output / sampling_locations / attention_weights / output, item_head_off the element
+ * offset of (b, s = 0, h, c = 0) in value. */
+
+/* Whether the queries are the value's pixels level by level (Q == S and the levels, in order,
+ * cover [0, S) exactly, as in an encoder): then a block can take a tile of neighbouring pixels
+ * instead of a run of one pixel row. Every block computes the same answer from the same level
+ * table, so all agree on the order. */
+__device__ __forceinline__ bool encoder_tiles(const msda_problem &pr, const int4 *s_lvl) {
+    if (pr.Q != pr.S) return false;
+    int64_t next = 0;
+    for (int l = 0; l < (int)pr.L; l++) {
+        if (s_lvl[l].y <= 0 || s_lvl[l].z != next) return false;
+        next += (int64_t)s_lvl[l].x * s_lvl[l].y;
+    }
+    return next == pr.S;
+}
+
+/* The query of rank r in tile order (encoder_tiles true): within each level, tiles of TW x TH
+ * pixels (TW * TH = IPB, a block's items; TH = TW or 2 * TW: 4 wide and 8 tall for 32 items)
+ * row by row, each tile row-major; the pixels outside whole tiles (a right strip, then a bottom
+ * strip) follow row-major. A bijection of each level's ranks onto its pixels. */
+template <int IPB> struct Tile {
+    static constexpr int LOG = IPB >= 256 ? 8 : IPB >= 128 ? 7 : IPB >= 64 ? 6 : IPB >= 32 ? 5 :
+                               IPB >= 16 ? 4 : IPB >= 8 ? 3 : IPB >= 4 ? 2 : IPB >= 2 ? 1 : 0;
+    static constexpr int TH = 1 << ((LOG + 1) / 2), TW = IPB / TH;
+    static_assert((1 << LOG) == IPB, "IPB is a power of two");
+};
+template <int IPB> __device__ __forceinline__ int tiled_query(const int4 *s_lvl, int L, int r) {
+    constexpr int TW = Tile<IPB>::TW, TH = Tile<IPB>::TH;
+    int l = 0;
+    for (int j = 1; j < L; j++) l = s_lvl[j].z <= r ? j : l; /* starts increase */
+    const int4 lv = s_lvl[l];
+    const int W = lv.y, Hl = lv.x, k = r - lv.z;
+    const int Wm = W & ~(TW - 1), Hm = Hl & ~(TH - 1), n_tiled = Wm * Hm, strip = Hm * (W - Wm);
+    int x, y;
+    if (k < n_tiled) {
+        const int t = k / IPB, u = k % IPB, ntx = Wm / TW, ty = t / ntx;
+        y = ty * TH + u / TW;
+        x = (t - ty * ntx) * TW + u % TW;
+    } else if (k < n_tiled + strip) {
+        const int k2 = k - n_tiled, w = W - Wm, yy = k2 / w;
+        y = yy;
+        x = Wm + k2 - yy * w;
+    } else {
+        const int k3 = k - n_tiled - strip, yy = k3 / W;
+        y = Hm + yy;
+        x = k3 - yy * W;
+    }
+    return lv.z + y * W + x;
+}
+
+/* TILE: 0 for queries in rank order, else the block size of tiled_query. */
+template <int TILE>
+__device__ __forceinline__ int item_row(const msda_problem &pr, const int4 *s_lvl, int item,
+                                        bool tiled) {
+    const int Q = (int)pr.Q, H = (int)pr.H, hq = H * Q;
+    const int b = item / hq, r = item - b * hq, h = r / Q;
+    int q = r - h * Q;
+    if (TILE && tiled) q = tiled_query<TILE ? TILE : 1>(s_lvl, (int)pr.L, q);
+    return (b * Q + q) * H + h;
+}
+__device__ __forceinline__ int item_head_off(const msda_problem &pr, int item) {
+    const int Q = (int)pr.Q, H = (int)pr.H, S = (int)pr.S, C = (int)pr.C, hq = H * Q;
+    const int b = item / hq, h = (item - b * hq) / Q;
+    return b * S * H * C + h * C;
+}
+
+/* {row, head_off} of the block's items [base, base + ipb) into s_item, computed once per item
+ * (the staging needs them for every point; integer divisions are not cheap). TILE: 0, or ipb to
+ * take an encoder's queries in tile order (encoder_tiles). s_lvl must be loaded and
+ * synchronised before; the caller synchronises before reading s_item. */
+template <typename T, bool PREFETCH, int TILE>
+__device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s_lvl, int base,
+                                           int n_items, int ipb, int2 *s_item) {
+    if (threadIdx.x >= ipb) return;
+    const bool tiled = TILE && encoder_tiles(pr, s_lvl);
+    for (int il = threadIdx.x; il < ipb; il += blockDim.x) {
+        const int item = base + il < n_items ? base + il : n_items - 1;
+        const int row = item_row<TILE>(pr, s_lvl, item, tiled);
+        s_item[il] = make_int2(row, item_head_off(pr, item));
+        if (PREFETCH) {
+            /* the sampling locations and weights of the item a wave of resident blocks (5 a
+             * multiprocessor) later, fetched into L2 for that block's staging: read once,
+             * they come from DRAM (for the 128-thread half-type forward, 10 blocks of half the
+             * items, the distance is half a wave; those kernels gained nothing from it) */
+            unsigned n_sm; /* volatile: read here, not held in a register across the loop */
+            asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
+            /* unsigned: item < 2^31 and the distance < 2^31, so the sum cannot wrap */
+            const unsigned later = (unsigned)item + n_sm * 5u * (unsigned)ipb;
+            if (later < (unsigned)n_items) {
+                const int64_t r = item_row<TILE>(pr, s_lvl, (int)later, tiled);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.sampling_locations + r * pr.NP * 2));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.attention_weights + r * pr.NP));
+            }
+        }
+    }
+}
+
+/* MSDA_SOFTMAX, fast kernels: each group of G lanes computes {max, 1 / sum(exp(z - max))} of
+ * its item's logits into s_soft[local] (lane-strided, then group shuffles: a fixed order);
+ * items past the end get {0, 1}. The caller synchronises. */
+template <typename T, int G, bool OPT>
+__device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int row,
+                                                    int n_items, float2 *s_soft,
+                                                    int local = threadIdx.x / G) {
+    const int g = threadIdx.x % G;
+    if (!OPT) return; /* s_soft is not read (nor sized for the items) */
+    if (!(pr.flags & MSDA_SOFTMAX)) { /* uniform over the grid: no shuffle is skipped */
+        if (g == 0) s_soft[local] = make_float2(0.f, 1.f);
+        return;
+    }
+    const int NP = item < n_items ? (int)pr.NP : 0; /* every lane still joins the shuffles */
+    const T *z = (const T *)pr.attention_weights + (int64_t)row * (int)pr.NP;
+    float m = -INFINITY, sum = 0.f;
+    for (int j = g; j < NP; j += G) m = fmaxf(m, to_acc(z[j]));
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int j = g; j < NP; j += G) sum += expf(to_acc(z[j]) - m);
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (g == 0) s_soft[local] = NP ? make_float2(m, 1.f / sum) : make_float2(0.f, 1.f);
+}
+
+/* Geometry of sampling point `pidx` (0 <= pidx < L*P) of item (b, q, h) = `item`:
+ *   offs: element offset in value of each corner's channel 0 for this head, or -1 if outside;
+ *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
+ * Offsets are int32: the fast path needs B*S*H*C < 2^31. Unsigned arithmetic wraps instead of
+ * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
+template <typename T, bool WEIGHTS, bool OPT>
+__device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int2 it,
+                                            int pidx, float2 soft, int4 &offs, float4 &geo) {
+    const T *loc = (const T *)pr.sampling_locations;
+    const T *attn = (const T *)pr.attention_weights;
+    const int64_t i = (int64_t)it.x * (int)pr.NP + pidx;
+    const int4 lvl = s_lvl[level_of<OPT>(pr, pidx)];
+    const int flags = OPT ? pr.flags : 0;
+    float a = to_acc(attn[i]);
+    if (flags & MSDA_SOFTMAX) a = expf(a - soft.x) * soft.y;
+    offs = make_int4(-1, -1, -1, -1);
+    geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
+    const int HC = (int)(pr.H * pr.C), S = (int)pr.S;
+    const float lx = to_acc(loc[2 * i]), ly = to_acc(loc[2 * i + 1]);
+    if (flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
+        if (lvl.y <= 0 || !(isfinite(lx) && isfinite(ly))) return;
+        const float Wf = (float)lvl.y, Hf = (float)lvl.x;
+        const int xx = (int)fminf(fmaxf(floorf(__fmul_rn(lx, Wf) + 0.5f), 0.f), Wf - 1.f);
+        const int yy = (int)fminf(fmaxf(floorf(__fmul_rn(ly, Hf) + 0.5f), 0.f), Hf - 1.f);
+        const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
+        if (idx >= (unsigned)S) return;
+        offs.x = it.y + (int)idx * HC;
+        geo = make_float4(a, 0.f, 0.f, 0.f); /* weights {A, 0, 0, 0} = {A, fx = 0, fy = 0, 0} */
+        return;
+    }
+    int x0, y0;
+    float fx, fy;
+    if (!locate32(lx, ly, lvl, x0, y0, fx, fy)) return;
+    const int head_off = it.y;
+    /* WEIGHTS (forward): slot k holds the corner whose pixel has parities (k & 1, k >> 1), so
+     * the groups of a warp, gathering slot k of neighbouring queries, all ask for the pixels
+     * they share in the same load (one line lookup for them). */
+    const int m = WEIGHTS ? ((x0 & 1) | (y0 & 1) << 1) : 0;
+    int o[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int yy = y0 + ((k ^ m) >> 1), xx = x0 + ((k ^ m) & 1);
+        const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
+        const bool in = (unsigned)yy < (unsigned)lvl.x && (unsigned)xx < (unsigned)lvl.y &&
+                        idx < (unsigned)S;
+        o[k] = in ? head_off + (int)idx * HC : -1;
+    }
+    offs = make_int4(o[0], o[1], o[2], o[3]);
+    if (WEIGHTS) {
+        const float wx0 = m & 1 ? fx : 1.f - fx, wx1 = m & 1 ? 1.f - fx : fx;
+        const float wy0 = m & 2 ? fy : 1.f - fy, wy1 = m & 2 ? 1.f - fy : fy;
+        geo = make_float4(a * wx0 * wy0, a * wx1 * wy0, a * wx0 * wy1, a * wx1 * wy1);
+    }
+    else
+        geo = make_float4(a, fx, fy, 0.f);
+}
+
+/* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) (s_item: fill_items) in
+ * shared memory, one thread per point (stage_point); slots past the last item or point get
+ * offsets -1. The caller synchronises before reading them. */
+template <typename T, bool WEIGHTS, bool OPT, typename St>
+__device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl,
+                                            const int2 *s_item, int base, int n_items, int p0,
+                                            int kn, const float2 *s_soft, int4 *s_offs,
+                                            float4 *s_geo) {
+    for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
+        const int il = j / St::K, k = j % St::K;
+        int4 offs = make_int4(-1, -1, -1, -1);
+        float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
+        /* s_soft is read only with softmax, the one case in which the caller synchronises
+         * after group_softmax_stats (its value is unused otherwise, and reading it then would
+         * race with the write of another group) */
+        const bool soft = OPT && (pr.flags & MSDA_SOFTMAX);
+        if (base + il < n_items && k < kn)
+            stage_point<T, WEIGHTS, OPT>(pr, s_lvl, s_item[il], p0 + k,
+                                         soft ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
+        s_offs[il * St::STRIDE + k] = offs;
+        s_geo[il * St::STRIDE + k] = geo;
+    }
+}
+
+/* G = C / 4 when the fast kernels can serve this problem (msda_fast_group) and the tensors in
+ * ptrs are 16-byte aligned, else 0. */
+static inline int fast_group(const msda_problem *pr, const void *const *ptrs, int n_ptrs) {
+    for (int j = 0; j < n_ptrs; j++)
+        if (ptrs[j] && ((uintptr_t)ptrs[j] & 15) != 0) return 0;
+    return msda_fast_group(pr);
+}
+
+/* Blocks for a fast kernel of ipb items a block (256 / G with G threads per item; twice that in
+ * the aggregated backward): one block per ipb consecutive items, so the blocks resident at any
+ * moment cover a compact window of neighbouring queries (good L2 reuse); grid-stride beyond
+ * 2^31 - 1 blocks. A persistent grid whose blocks each walk a contiguous run of items was
+ * slower (ddetr_enc f32 forward 0.41 vs 0.30 ms on an H100): its resident blocks spread over
+ * the whole value tensor at once. */
+static inline unsigned int item_blocks(int64_t items, int64_t ipb) {
+    int64_t blocks = (items + ipb - 1) / ipb;
+    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
+    return (unsigned int)(blocks < 1 ? 1 : blocks);
+}
