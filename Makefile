@@ -1,9 +1,14 @@
 # Makefile: builds build/libpymsda.so, the C/CUDA library pymsda loads with ctypes.
-#   make                   CPU kernels always; CUDA kernels too when nvcc is found
-#   make CUDA_ARCHS=90     a quick build for one GPU architecture (list: "75 80 90")
+#   make                   CPU kernels always; CUDA kernels too when nvcc is found (the default
+#                          GPU list below: 3 min 55 s on 2 cores)
+#   make CUDA_ARCHS=90     a quick build for one GPU architecture (a list: "80 90")
+#   make CUDA_ARCHS=all    every architecture from sm_75 this nvcc knows (release wheels)
 #   make MSDA_CUDA=0       force a CPU-only build
 #   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside
-#   make info | test | clean
+#   make info | test | clean;  V=1 prints the compiler commands
+# A build folder remembers the MSDA_CUDA, CUDA_ARCHS and CUDA_PTX it was made with: a later
+# `make`, `make test` or `make wheel` that names none of them uses it as it is, instead of
+# rebuilding it for the defaults; naming one (or `make clean`) chooses anew.
 # No torch, ATen, c10 or pybind11 header is used: the library does not depend on any PyTorch or
 # Python version. cudart is linked statically, so the .so needs only the driver (libcuda).
 
@@ -24,6 +29,19 @@ CPU_OPT_FLAGS := -ffp-contract=fast -fno-trapping-math $(shell $(CC) -fno-loop-u
 ALL_CFLAGS  = $(CFLAGS) -std=c11 $(CPU_OPT_FLAGS) -fPIC -fvisibility=hidden -fopenmp -Wall -Wextra -Wno-unused-parameter
 ALL_LDFLAGS = $(LDFLAGS) -fopenmp
 
+# ---- what an earlier build of this folder chose -----------------------------------------------
+# (restored only when the user names none of the three, on the command line or in the environment)
+-include $(BUILD)/choice.mk
+named := $(foreach v,MSDA_CUDA CUDA_ARCHS CUDA_PTX,$(filter command environment,$(firstword $(origin $(v)))))
+ifeq ($(strip $(named)),)
+ifdef REMEMBERED_MSDA_CUDA
+MSDA_CUDA := $(REMEMBERED_MSDA_CUDA)
+CUDA_ARCHS := $(REMEMBERED_CUDA_ARCHS)
+CUDA_PTX := $(REMEMBERED_CUDA_PTX)
+endif
+endif
+START := $(shell date +%s)
+
 # ---- CUDA detection ----------------------------------------------------------------------------
 NVCC     ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
 ifeq ($(NVCC),)
@@ -36,21 +54,45 @@ ifeq ($(MSDA_CUDA),1)
 # nvcc may be a wrapper script: ask it where its toolkit lives.
 CUDA_HOME   ?= $(realpath $(shell $(NVCC) --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$$ TOP=//p'))
 NVCC_VERSION := $(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
-# Default: machine code for every architecture from sm_75 to the newest this nvcc knows, plus PTX
-# of the newest so later GPUs can JIT-compile it.
-CUDA_ARCHS  ?= $(shell $(NVCC) --list-gpu-arch 2>/dev/null | sed -n 's/^compute_\([0-9]*\)$$/\1/p' | awk '$$1 >= 75' | sort -n | tr '\n' ' ')
-CUDA_PTX    := $(shell echo $(CUDA_ARCHS) | tr ' ' '\n' | sort -n | tail -n 1)
+NVCC_ARCHS  := $(shell $(NVCC) --list-gpu-arch 2>/dev/null | sed -n 's/^compute_\([0-9]*\)$$/\1/p' | awk '$$1 >= 75' | sort -n | tr '\n' ' ')
+# The default GPU code: machine code for each distinct GPU generation people run MSDA on, since
+# machine code of X.Y runs on every X.Z with Z >= Y: 75 (T4, RTX 20), 80 (A100, A30), 86 (RTX 30,
+# A10, A40; also runs on 87 Orin and 89 Ada: L4, L40, RTX 40), 90 (H100, H200), 100 (B200; also
+# B300's 103), 120 (RTX 50, RTX PRO; also GB10's 121). PTX of compute_90, the newest feature
+# level the kernels use (half-precision vector reductions, programmatic launch), which the driver
+# compiles at first use for every newer GPU: sm_110 (Jetson Thor), which no machine code above
+# serves, and GPUs newer than the list. Architectures this nvcc does not know are left out.
+DEFAULT_ARCHS := 75 80 86 90 100 120
+DEFAULT_PTX   := 90
+ifeq ($(strip $(CUDA_ARCHS)),all)
+override CUDA_ARCHS := $(NVCC_ARCHS)
+endif
+CUDA_ARCHS  ?= $(filter $(NVCC_ARCHS),$(DEFAULT_ARCHS))
+# PTX: the default's with the default list, else that of the newest architecture named.
+ifeq ($(CUDA_ARCHS),$(filter $(NVCC_ARCHS),$(DEFAULT_ARCHS)))
+CUDA_PTX    ?= $(DEFAULT_PTX)
+endif
+CUDA_PTX    ?= $(shell echo $(CUDA_ARCHS) | tr ' ' '\n' | sort -n | tail -n 1)
 GENCODE     := $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a)) \
                -gencode=arch=compute_$(CUDA_PTX),code=compute_$(CUDA_PTX)
 ARCH_LIST   := $(strip $(foreach a,$(CUDA_ARCHS),sm_$(a)) compute_$(CUDA_PTX))
 NVCCFLAGS   ?= -O3
 ALL_NVCCFLAGS = $(NVCCFLAGS) -std=c++17 --threads 0 -Xcompiler -fPIC,-fvisibility=hidden \
                $(GENCODE) -DMSDA_CUDA_ARCHS='"$(ARCH_LIST)"'
-CUDA_OBJS   := $(patsubst kernels/%.cu,$(BUILD)/%.o,$(wildcard kernels/*.cu))
+CUDA_OBJS   := $(patsubst kernels/%.cu,$(BUILD)/%.o,$(wildcard kernels/*.cu kernels/instances/*.cu))
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcudart_static -lrt -ldl -lpthread
 else
 CUDA_OBJS   := $(BUILD)/cuda_stub.o
 CUDA_LIBS   :=
+endif
+
+# Quiet commands unless V=1: one line a file says what is compiled.
+ifeq ($(V),1)
+Q :=
+say = @true
+else
+Q := @
+say = @echo "  $(1)"
 endif
 
 C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_kernels.o $(BUILD)/cpu_general.o
@@ -62,23 +104,36 @@ all: $(LIB)
 $(BUILD):
 	@mkdir -p $(BUILD)
 
-# The flags a build used are kept in build/config so changing them (CUDA_ARCHS, MSDA_CUDA) rebuilds.
+# The flags a build used are kept in build/config so changing them (CUDA_ARCHS, MSDA_CUDA)
+# rebuilds; build/choice.mk remembers the choices for later runs (see the top).
 CONFIG := $(CC) $(ALL_CFLAGS) | $(MSDA_CUDA) $(NVCC) $(CUDA_ARCHS) $(ALL_NVCCFLAGS)
 $(BUILD)/config: FORCE | $(BUILD)
 	@echo '$(CONFIG)' | cmp -s - $@ || echo '$(CONFIG)' > $@
+	@printf 'REMEMBERED_MSDA_CUDA := %s\nREMEMBERED_CUDA_ARCHS := %s\nREMEMBERED_CUDA_PTX := %s\n' \
+	    '$(MSDA_CUDA)' '$(CUDA_ARCHS)' '$(CUDA_PTX)' > $(BUILD)/choice.mk
 FORCE:
 
-$(BUILD)/%.o: c/%.c c/msda.h c/msda_internal.h c/half.h c/cpu_kernels.inc $(BUILD)/config | $(BUILD)
-	$(CC) $(ALL_CFLAGS) -c $< -o $@
+# Says what the build is about to compile (run before the first object, when any is stale).
+$(BUILD)/started: $(wildcard c/*.c c/*.h c/*.inc kernels/*.cu kernels/*.cuh kernels/instances/*.cu) $(BUILD)/config | $(BUILD)
+	@touch $@
+	@echo "building $(LIB): C ($(CC))$(if $(filter 1,$(MSDA_CUDA)), and CUDA $(NVCC_VERSION) kernels for $(ARCH_LIST),; no CUDA kernels (nvcc not found or MSDA_CUDA=0))"
+	@$(if $(filter 1,$(MSDA_CUDA)),echo "  (each kernel file compiles once per target: minutes for the default list; make CUDA_ARCHS=90 builds one)")
 
-$(BUILD)/%.o: kernels/%.cu kernels/common.cuh c/msda.h c/msda_internal.h $(BUILD)/config | $(BUILD)
-	$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@
+$(BUILD)/%.o: c/%.c c/msda.h c/msda_internal.h c/half.h c/cpu_kernels.inc $(BUILD)/config | $(BUILD) $(BUILD)/started
+	$(call say,CC    $<)
+	$(Q)$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh) c/msda.h c/msda_internal.h $(BUILD)/config | $(BUILD) $(BUILD)/started
+	@mkdir -p $(dir $@)
+	$(call say,NVCC  $< ($(words $(ARCH_LIST)) targets))
+	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@
 
 # Only the msda_* symbols are exported; the static cudart and libstdc++ stay private.
 $(LIB): $(C_OBJS) $(CUDA_OBJS)
-	$(CXX) -shared -o $@ $^ $(ALL_LDFLAGS) $(CUDA_LIBS) -static-libstdc++ -static-libgcc \
+	$(call say,LINK  $@)
+	$(Q)$(CXX) -shared -o $@ $^ $(ALL_LDFLAGS) $(CUDA_LIBS) -static-libstdc++ -static-libgcc \
 	    -Wl,--exclude-libs,ALL -Wl,-z,defs -Wl,--as-needed
-	@echo "built $@ (CUDA: $(if $(filter 1,$(MSDA_CUDA)),$(ARCH_LIST),none))"
+	@echo "built $@ (CUDA: $(if $(filter 1,$(MSDA_CUDA)),$(ARCH_LIST),none)) in $$(( $$(date +%s) - $(START) )) s"
 
 info:
 	@echo "C compiler:    $(CC) ($(shell $(CC) -dumpfullversion 2>/dev/null || $(CC) -dumpversion))"

@@ -160,24 +160,60 @@ def test_library_embeds_the_promised_gpu_architectures():
     assert len(set(counts.values())) == 1, counts
 
 
-def test_default_build_covers_sm_75_to_newest_with_ptx():
+def _makefile_defaults():
+    """(DEFAULT_ARCHS, DEFAULT_PTX) as the Makefile states them."""
+    text = (REPO / "Makefile").read_text()
+    archs = re.search(r"^DEFAULT_ARCHS\s*:=\s*(.+)$", text, re.M).group(1).split()
+    ptx = re.search(r"^DEFAULT_PTX\s*:=\s*(\d+)$", text, re.M).group(1)
+    return [int(a) for a in archs], int(ptx)
+
+
+def _nvcc_archs_of_this_build():
+    """The architectures from sm_75 that the nvcc on the PATH knows, when it is the CUDA
+    version the library was built with; else None."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return None
+    library = ctypes.CDLL(pymsda.library_path())
+    built = library.msda_cuda_version()
+    release = re.search(r"release (\d+)\.(\d+)", subprocess.run(
+        [nvcc, "--version"], capture_output=True, text=True).stdout)
+    if not release or built != int(release.group(1)) * 1000 + int(release.group(2)) * 10:
+        return None
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
+    return sorted(int(n) for n in re.findall(r"^compute_(\d+)$", listed, re.M) if int(n) >= 75)
+
+
+def test_default_build_embeds_the_makefiles_default_list():
+    # `make` embeds machine code for the Makefile's DEFAULT_ARCHS that this nvcc knows and PTX
+    # of DEFAULT_PTX, which every newer GPU compiles at first use; `make CUDA_ARCHS=all`
+    # embeds every architecture from sm_75 and PTX of the newest.
     archs = pymsda.cuda_archs()
     if not archs:
         pytest.skip("CPU-only build")
-    sm = [int(a[3:]) for a in archs if re.fullmatch(r"sm_\d+", a)]
-    if min(sm) != 75:
-        pytest.skip(f"not the default list (a build with CUDA_ARCHS=...): {' '.join(archs)}")
-    assert f"compute_{max(sm)}" in archs  # PTX of the newest, for GPUs newer than it
-    nvcc = shutil.which("nvcc")
-    if nvcc:  # the nvcc that built it (same CUDA version): every architecture it knows from 75
-        library = ctypes.CDLL(pymsda.library_path())
-        built = library.msda_cuda_version()
-        release = re.search(r"release (\d+)\.(\d+)", subprocess.run(
-            [nvcc, "--version"], capture_output=True, text=True).stdout)
-        if release and built == int(release.group(1)) * 1000 + int(release.group(2)) * 10:
-            listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
-            known = sorted(int(n) for n in re.findall(r"^compute_(\d+)$", listed, re.M) if int(n) >= 75)
-            assert sorted(sm) == known
+    default, ptx = _makefile_defaults()
+    sm = sorted(int(a[3:]) for a in archs if re.fullmatch(r"sm_\d+", a))
+    known = _nvcc_archs_of_this_build()
+    expected = [a for a in default if known is None or a in known]
+    if sm == expected and sm != known:
+        assert [a for a in archs if a.startswith("compute_")] == [f"compute_{ptx}"]
+    elif known is not None and sm == known:  # CUDA_ARCHS=all
+        assert [a for a in archs if a.startswith("compute_")] == [f"compute_{max(sm)}"]
+    else:
+        pytest.skip(f"neither the default list nor CUDA_ARCHS=all: {' '.join(archs)}")
+
+
+def test_default_list_covers_every_gpu_from_sm_75():
+    # Machine code of X.Y runs on X.Z, Z >= Y; PTX on any newer GPU: the default list leaves no
+    # GPU of compute capability 7.5 or newer uncovered (sm_110, Jetson Thor, through the PTX).
+    from pymsda.__main__ import arch_coverage
+    default, ptx = _makefile_defaults()
+    archs = [f"sm_{a}" for a in default] + [f"compute_{ptx}"]
+    for cc in [(7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0),
+               (12, 0), (12, 1), (13, 0)]:
+        covered, how = arch_coverage(cc, archs)
+        assert covered, (cc, how)
+    assert not arch_coverage((7, 0), archs)[0]
 
 
 ARCHS = "sm_75 sm_80 sm_86 sm_87 sm_88 sm_89 sm_90 sm_100 sm_103 sm_110 sm_120 sm_121 compute_121"
