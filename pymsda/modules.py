@@ -5,21 +5,10 @@ import warnings
 import torch
 from torch import nn
 
-from . import ops
+from ._tables import shapes_tensor
 from .ops import ms_deform_attn
 
 __all__ = ["MSDeformAttn"]
-
-
-def _shapes_tensor(spatial_shapes, device):
-    """spatial_shapes as an (L, 2) tensor. A list becomes a tensor on device once, from the op's
-    cache of level tables, so an eager call copies nothing to the GPU (and can be captured in a
-    CUDA graph); while torch.compile traces, it is a constant of the graph."""
-    if isinstance(spatial_shapes, torch.Tensor):
-        return spatial_shapes
-    if ops._tracing():
-        return torch.as_tensor(spatial_shapes, device=device)
-    return ops._levels_from_list(spatial_shapes, torch.device(device)).shapes
 
 
 class MSDeformAttn(nn.Module):
@@ -89,7 +78,7 @@ class MSDeformAttn(nn.Module):
             N, Len_q, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:
             # offsets are in pixels of each level: normalise by (W, H)
-            shapes = _shapes_tensor(input_spatial_shapes, query.device)
+            shapes = shapes_tensor(input_spatial_shapes, query.device)
             normalizer = torch.stack([shapes[..., 1], shapes[..., 0]], -1).to(sampling_offsets)
             sampling_locations = (reference_points[:, :, None, :, None, :]
                                   + sampling_offsets / normalizer[None, None, None, :, None, :])

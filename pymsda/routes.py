@@ -20,7 +20,7 @@ import collections
 import torch
 
 from . import _lib
-from .ops import _DTYPE_CODE, _flags, _level_points
+from ._checks import _DTYPE_CODE, _flags, _level_points
 
 Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 

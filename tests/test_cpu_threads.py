@@ -1,6 +1,6 @@
 """tests/test_cpu_threads.py: the CPU kernels under every threading situation they meet in PyTorch.
 
-The op runs on torch.get_num_threads() OpenMP threads (ops._device_args passes it); the library
+The op runs on torch.get_num_threads() OpenMP threads (pymsda/_autograd.py, _device_args, passes it); the library
 links libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded, so torch
 and pymsda share one OpenMP runtime and thread pool. Checked here:
 - results are bitwise identical for any thread count, in the three work splits of the backward
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _lib, ops
+from pymsda import _autograd, _lib
 from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
                        random_grad_output, rel_l2)
 
@@ -156,13 +156,13 @@ class _OpDataset(torch.utils.data.Dataset):
 
 def _run_kernels(inputs, grad_output):
     """msda_forward and msda_backward through the C ABI, with the thread count pymsda.ops
-    chooses (ops._device_args), and nothing else around them."""
+    chooses (_autograd._device_args), and nothing else around them."""
     value, loc, attn = (inputs[k].contiguous() for k in GRAD_NAMES)
     B, S, H, C = value.shape
     _, Q, _, L, P, _ = loc.shape
     shapes = inputs["spatial_shapes"].to(torch.int64).contiguous()
     starts = inputs["level_start_index"].to(torch.int64).contiguous()
-    device, stream, threads = ops._device_args(value)
+    device, stream, threads = _autograd._device_args(value)
     code = {torch.float32: _lib.DTYPE_F32, torch.float64: _lib.DTYPE_F64}[value.dtype]
     out = torch.empty(B, Q, H * C, dtype=value.dtype)
     grads = [torch.empty_like(value), torch.empty_like(loc), torch.empty_like(attn)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _lib, ops
+from pymsda import _autograd, _lib
 from pymsda.reference import ms_deform_attn_pytorch
 from conftest import DEVICES, requires_cuda, skip_unless_grid_sample_supports
 from factories import (GRAD_NAMES, loose_bound, make_inputs, oracle_backward,
@@ -35,13 +35,13 @@ def deterministic_algorithms():
 def backward_flags(monkeypatch):
     """The flags argument of every msda_backward call the op makes during the test."""
     seen = []
-    real = ops._msda_backward
+    real = _autograd._msda_backward
 
     def recording(*args):
         seen.append(args[12])  # B, S, H, C, L, Q, P, dtype, index_dtype, device, threads, lp, flags
         return real(*args)
 
-    monkeypatch.setattr(ops, "_msda_backward", recording)
+    monkeypatch.setattr(_autograd, "_msda_backward", recording)
     return seen
 
 

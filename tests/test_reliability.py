@@ -447,19 +447,19 @@ def test_validate_flag_and_environment_variable_accepted_on_cpu(generator, monke
 
 
 def test_environment_variable_is_read_on_every_call(monkeypatch):
-    # The op reads PYMSDA_VALIDATE through its own lookup of os.environ (ops._env_reader):
+    # The op reads PYMSDA_VALIDATE through its own lookup of os.environ (pymsda/_checks.py, _env_reader):
     # setting, changing and removing it after import must all count.
-    from pymsda import ops
+    from pymsda._checks import _validating
     monkeypatch.delenv("PYMSDA_VALIDATE", raising=False)
-    assert not ops._validating(False)
+    assert not _validating(False)
     monkeypatch.setenv("PYMSDA_VALIDATE", "1")
-    assert ops._validating(False)
+    assert _validating(False)
     monkeypatch.setenv("PYMSDA_VALIDATE", "0")
-    assert not ops._validating(False)
+    assert not _validating(False)
     monkeypatch.setenv("PYMSDA_VALIDATE", "1")
     monkeypatch.delenv("PYMSDA_VALIDATE")
-    assert not ops._validating(False)
-    assert ops._validating(True)
+    assert not _validating(False)
+    assert _validating(True)
 
 
 def test_validate_is_keyword_only():

@@ -1,0 +1,216 @@
+"""The calls into the C library and the autograd node of the eager path.
+
+_forward and _backward allocate the outputs with torch (so the caching allocator and CUDA graphs
+serve them) and call libpymsda's packed entry points with the tensors' pointers and the current
+stream of their device. _MSDA is the one autograd.Function; _run picks the cheapest way in.
+"""
+import ctypes
+import struct
+
+import torch
+
+from . import _lib
+from ._checks import _DTYPE_CODE, _check
+from ._lib import lib
+
+# The raw cudaStream_t of a device's current stream. torch._C._cuda_getCurrentRawStream returns
+# it as an int without building a Stream object; older or unusual torch builds fall back to the
+# public API.
+def _public_current_stream(device_index):
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_current_stream
+
+
+# ---------------------------------------------------------------------------------------------
+# calls into the C library
+
+# The packed entry points (c/msda.h): struct packs the arguments into a fresh bytes object (its
+# own per call, so threads never share one) in about a fifth of the time ctypes takes to convert
+# twenty separate arguments.
+_forward_packed, _backward_packed = lib.msda_forward_packed, lib.msda_backward_packed
+_pack_forward, _pack_backward = struct.Struct("20q").pack, struct.Struct("25q").pack
+
+
+def _msda_backward(*args):
+    """msda_backward's arguments in its order (level_points a ctypes array, None for NULL)."""
+    args = list(args)
+    if args[11] is not None:
+        args[11] = ctypes.addressof(args[11])
+    return _backward_packed(_pack_backward(*[0 if a is None else a for a in args]))
+
+
+def _device_args(t):
+    """(device, stream, num_threads) for the C call: the CUDA ordinal of t and the current
+    stream of that device (not of the current device), or -1, 0 and torch's CPU thread count."""
+    if t.is_cuda:
+        index = t.get_device()
+        return index, _current_stream(index), 0
+    return -1, 0, torch.get_num_threads()
+
+
+def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
+    B, S, H, C, L, Q, P = sizes
+    out = value.new_empty((B, Q, H * C))
+    if value.is_cuda:  # _device_args, inline
+        device = value.get_device()
+        stream, threads = _current_stream(device), 0
+    else:
+        device, stream, threads = -1, 0, torch.get_num_threads()
+    shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
+    status = _forward_packed(_pack_forward(
+        B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
+        0 if lp is None else ctypes.addressof(lp), flags, value.data_ptr(), shapes_ptr,
+        starts_ptr, loc.data_ptr(), attn.data_ptr(), out.data_ptr(), stream))
+    if status:
+        _check(status)
+    return out
+
+
+def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
+              lp=None, flags=0):
+    B, S, H, C, L, Q, P = sizes
+    grad_out = grad_out.contiguous()
+    if grad_out.dtype != value.dtype:
+        grad_out = grad_out.to(value.dtype)
+    device, stream, threads = _device_args(value)
+    # grad_value of a half type: on the CPU the library accumulates it in an f32 buffer, cast
+    # once here; on CUDA it has value's dtype (c/msda.h: the library accumulates in f32 where
+    # it must, in the workspace it asks for).
+    grad_value = None
+    if need_value:
+        grad_value = (value.new_empty(value.shape) if device >= 0 or value.dtype in _FULL_DTYPES
+                      else value.new_empty(value.shape, dtype=torch.float32))
+    grad_loc = torch.empty_like(loc) if need_loc else None
+    grad_attn = torch.empty_like(attn) if need_attn else None
+    workspace, workspace_bytes = None, 0
+    if (need_value and device >= 0
+            and (flags & _lib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
+        workspace_bytes = lib.msda_backward_workspace_size(
+            B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags)
+        if workspace_bytes < 0:
+            _check(_lib.ERR_INVALID_ARGUMENT)
+        if workspace_bytes > 0:
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
+    shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
+    status = _msda_backward(
+        B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
+        lp, flags, value.data_ptr(), shapes_ptr, starts_ptr,
+        loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
+        grad_value.data_ptr() if need_value else None,
+        grad_loc.data_ptr() if need_loc else None,
+        grad_attn.data_ptr() if need_attn else None,
+        workspace.data_ptr() if workspace is not None else None, workspace_bytes, stream)
+    if status:
+        _check(status)
+    if grad_value is not None and grad_value.dtype != value.dtype:
+        grad_value = grad_value.to(value.dtype)
+    return grad_value, grad_loc, grad_attn
+
+
+_FULL_DTYPES = (torch.float32, torch.float64)
+
+
+def _grads_of_node(ctx, grad_out):
+    value, loc, attn = ctx.saved_tensors
+    need_value, need_loc, need_attn = ctx.needs_input_grad[:3]
+    levels, sizes, lp, flags = ctx.plan
+    grads = _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
+                      lp, flags)
+    return grads + (None,)
+
+
+_grads_once_differentiable = torch.autograd.function.once_differentiable(_grads_of_node)
+
+
+class _MSDA(torch.autograd.Function):
+    """The eager autograd node (every torch version): forward and backward call C directly."""
+
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights, plan):
+        # plan = (levels, sizes, lp, flags): one argument, so apply() has fewer to look at
+        ctx.save_for_backward(value, sampling_locations, attention_weights)
+        ctx.plan = plan
+        levels, sizes, lp, flags = plan
+        return _forward(value, levels, sampling_locations, attention_weights, sizes, lp, flags)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # The library's gradients are not differentiable again. With create_graph=True (grad
+        # mode on here) once_differentiable makes a second derivative raise instead of being
+        # silently 0; otherwise its no_grad wrapper is skipped (a few microseconds a call).
+        if torch.is_grad_enabled():
+            return _grads_once_differentiable(ctx, grad_out)
+        return _grads_of_node(ctx, grad_out)
+
+
+def _find_apply_direct():
+    """torch.autograd.Function.apply is a Python wrapper (functorch transforms, setup_context's
+    default arguments) around the C++ apply of torch._C._FunctionBase. Outside functorch
+    transforms _MSDA, which has no setup_context, needs none of it, and calling the C++ apply
+    directly saves about 2 us a call (4-5 on a slow host). None where this torch is laid out
+    otherwise: then _MSDA.apply is used."""
+    if _functorch_active is None:
+        return None
+    try:
+        direct = super(torch.autograd.Function, _MSDA).apply
+    except AttributeError:
+        return None
+    wrapper = getattr(torch.autograd.Function.apply, "__func__", None)
+    if getattr(direct, "__func__", None) is wrapper or getattr(direct, "__self__", None) is not _MSDA:
+        return None
+    return direct
+
+
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_apply_direct = _find_apply_direct()
+
+
+def _library_serves(device):
+    return device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernels)
+
+
+_has_cuda_kernels = bool(lib.msda_has_cuda())
+
+
+def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
+    """The pure-PyTorch op, for a device the library does not serve (a GPU without the
+    library's CUDA kernels, MPS, ...)."""
+    from .reference import ms_deform_attn_pytorch
+    return ms_deform_attn_pytorch(
+        value, spatial_shapes, loc, attn, num_points_list=num_points_list,
+        sampling="nearest" if flags & _lib.FLAG_NEAREST else "bilinear",
+        softmax=bool(flags & _lib.FLAG_SOFTMAX))
+
+
+class _MetaMSDA(torch.autograd.Function):
+    """The op on meta tensors outside tracing: outputs and gradients of the right shapes and
+    dtypes, no numbers (there are none to read)."""
+
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights, sizes):
+        B, S, H, C, L, Q, P = sizes
+        ctx.like = [(t.shape, t.dtype) for t in (value, sampling_locations, attention_weights)]
+        return value.new_empty((B, Q, H * C))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = tuple(grad_out.new_empty(shape, dtype=dtype) if need else None
+                      for (shape, dtype), need in zip(ctx.like, ctx.needs_input_grad))
+        return grads + (None,)
+
+
+_is_grad_enabled = torch.is_grad_enabled
+
+
+def _run(value, loc, attn, plan):
+    """The op on prepared tensors (plan = (levels, sizes, lp, flags)): through the autograd node
+    when a gradient is wanted (its C++ apply directly where that is safe), else the forward
+    alone."""
+    if _is_grad_enabled() and (value.requires_grad or loc.requires_grad or attn.requires_grad):
+        if _apply_direct is not None and not _functorch_active():
+            return _apply_direct(value, loc, attn, plan)
+        return _MSDA.apply(value, loc, attn, plan)
+    levels, sizes, lp, flags = plan
+    return _forward(value, levels, loc, attn, sizes, lp, flags)
