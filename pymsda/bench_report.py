@@ -1,0 +1,134 @@
+"""python -m pymsda bench: its output (a table, BENCHMARKS.md's markdown, a chart, JSON)."""
+import json
+import math
+
+PASSES = ("fwd", "bwd", "fwdbwd")
+ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
+              "reference_grad_value", "reference_grad_loc", "reference_grad_attn")
+GRAD_KEYS = ERROR_KEYS[2:5]
+
+
+def _overhead_label(key):
+    """"pymsda_plain_us" -> "pymsda plain"; the calibration op by what it runs."""
+    if key == "torch_add_us":
+        return "torch value.add(1)"
+    if key.startswith("pymsda_tables_"):
+        return "pymsda " + key[len("pymsda_tables_"):-3] + " (tensor tables)"
+    return key[:-3].replace("_", " ", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _number(x, fmt=".1e"):
+    return "n/a" if x is None else format(x, fmt)
+
+
+def format_table(result):
+    header = ["shape", "dtype", "pass", "pymsda ms", "reference ms", "speed-up", "error",
+              "ref error", "grad_value", "grad_loc", "grad_attn", "ref grad_value",
+              "ref grad_loc", "ref grad_attn"]
+    lines, previous = [], None
+    for row in result["rows"]:
+        errors = row["errors"]
+        first = (row["shape"], row["dtype"]) != previous
+        previous = (row["shape"], row["dtype"])
+        reference = (_number(row["reference_ms"], ".3f") if row["reference_ms"] is not None
+                     else f"n/a ({row['reference_note']})")
+        lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
+                      f"{row['pymsda_ms']:.3f}", reference,
+                      _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
+                      *(_number(errors[k]) if first else "" for k in ERROR_KEYS)])
+    widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]
+    text = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(cells, widths)))
+            for cells in [header] + lines]
+    overhead = result.get("overhead")
+    if overhead:
+        text.append(f"\nhost overhead per eager forward call (tiny shape, median of "
+                    f"{overhead.get('rounds', 1)} x {overhead['calls']} calls):")
+        for key, us in overhead.items():
+            if key.endswith("_us"):
+                text.append(f"  {_overhead_label(key):26s} {us:8.1f} us")
+    return "\n".join(text)
+
+
+def format_markdown(result):
+    """The result as BENCHMARKS.md takes it: the run's metadata, then one row per shape and
+    dtype with the three passes side by side and the errors."""
+    meta = result["metadata"]
+    lines = [f"- {key}: {meta[key]}" for key in ("date", "device", "driver", "torch", "cuda",
+                                                  "commit", "command") if key in meta]
+    by_key = {}
+    for row in result["rows"]:
+        by_key.setdefault((row["shape"], row["dtype"]), {})[row["pass"]] = row
+    passes = [p for p in PASSES if any(p in r for r in by_key.values())]
+    titles = {"fwd": "forward", "bwd": "backward", "fwdbwd": "fwd+bwd"}
+    head = ["shape", "dtype"]
+    for p in passes:
+        head += [f"{titles[p]} ms", "reference ms", "speed-up"]
+    head += ["fwd error", "reference error (same dtype)", "grad errors (value / loc / attn)",
+             "reference grad errors"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (shape, dtype), rows in by_key.items():
+        cells = [shape, dtype]
+        for p in passes:
+            r = rows.get(p)
+            if r is None:
+                cells += ["", "", ""]
+                continue
+            ref = _number(r["reference_ms"], ".3f") if r["reference_ms"] is not None else "n/a"
+            cells += [f"{r['pymsda_ms']:.3f}", ref,
+                      _number(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
+        errors = next(iter(rows.values()))["errors"]
+        cells += [_number(errors["forward"]), _number(errors["reference_forward"]),
+                  " / ".join(_number(errors[k]) for k in GRAD_KEYS),
+                  " / ".join(_number(errors["reference_" + k]) for k in GRAD_KEYS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    overhead = result.get("overhead")
+    if overhead:
+        lines += ["", "Host time per eager forward call (tiny shape, median of "
+                  f"{overhead.get('rounds', 1)} x {overhead['calls']} calls):", ""]
+        for key, us in overhead.items():
+            if key.endswith("_us"):
+                lines.append(f"- {_overhead_label(key)}: {us:.1f} us")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["shape"], r["dtype"]) for r in result["rows"]))
+    passes = list(dict.fromkeys(r["pass"] for r in result["rows"]))
+    width = 0.8 / len(passes)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4.5))
+    for k, pass_name in enumerate(passes):
+        speedups = [next((r["speedup"] or 0 for r in result["rows"]
+                          if (r["shape"], r["dtype"], r["pass"]) == (*g, pass_name)), 0) for g in groups]
+        ax.bar([i + (k - (len(passes) - 1) / 2) * width for i in range(len(groups))], speedups,
+               width, label=pass_name)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), [f"{s}\n{d}" for s, d in groups], fontsize=8)
+    ax.set_ylabel("speed-up over the PyTorch reference")
+    ax.set_title(f"pymsda on {result['metadata']['device']} ({result['settings']['dist']} inputs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_ready(x):
+    """Strict JSON: a non-finite float (the reference's own f16 NaNs) becomes the string "nan"."""
+    if isinstance(x, dict):
+        return {k: _json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_ready(v) for v in x]
+    return str(x) if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def write_json(result, path):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_ready(result), f, indent=1, allow_nan=False)
