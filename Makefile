@@ -119,7 +119,7 @@ $(BUILD)/started: $(wildcard c/*.c c/*.h c/*.inc kernels/*.cu kernels/*.cuh kern
 	@echo "building $(LIB): C ($(CC))$(if $(filter 1,$(MSDA_CUDA)), and CUDA $(NVCC_VERSION) kernels for $(ARCH_LIST),; no CUDA kernels (nvcc not found or MSDA_CUDA=0))"
 	@$(if $(filter 1,$(MSDA_CUDA)),echo "  (each kernel file compiles once per target: minutes for the default list; make CUDA_ARCHS=90 builds one)")
 
-$(BUILD)/%.o: c/%.c c/msda.h c/msda_internal.h c/half.h c/cpu_kernels.inc $(BUILD)/config | $(BUILD) $(BUILD)/started
+$(BUILD)/%.o: c/%.c $(wildcard c/*.h c/*.inc) $(BUILD)/config | $(BUILD) $(BUILD)/started
 	$(call say,CC    $<)
 	$(Q)$(CC) $(ALL_CFLAGS) -c $< -o $@
 

@@ -15,10 +15,9 @@
  * One thread, B=2 Q=300 H=8 C=32 L=4 P=4 f32, on the shared 2-core VM (noise +-30%): the tuned
  * plain op 2.5-4.5 ms forward / 12-17 ms backward; here with softmax 6.5-13 / 15-27 ms, nearest
  * 3.5-4.5 / 6.5-16 ms.
- * The per-element-type code below is compiled once per type by this file including itself (the
- * part under GENERAL_SUFFIX), as cpu_kernels.c does with cpu_kernels.inc.
+ * The per-element-type kernels are cpu_general.inc, included once per type (as cpu_kernels.c
+ * includes cpu_kernels.inc).
  */
-#ifndef GENERAL_SUFFIX
 
 #include <math.h>
 #include <stdlib.h>
@@ -207,25 +206,25 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
 #define SCALAR float
 #define ACC float
 #define ACC_EXP expf
-#include "cpu_general.c"
+#include "cpu_general.inc"
 
 #define GENERAL_SUFFIX f64
 #define SCALAR double
 #define ACC double
 #define ACC_EXP exp
-#include "cpu_general.c"
+#include "cpu_general.inc"
 
 #define GENERAL_SUFFIX f16
 #define SCALAR uint16_t
 #define ACC float
 #define ACC_EXP expf
-#include "cpu_general.c"
+#include "cpu_general.inc"
 
 #define GENERAL_SUFFIX bf16
 #define SCALAR uint16_t
 #define ACC float
 #define ACC_EXP expf
-#include "cpu_general.c"
+#include "cpu_general.inc"
 
 // ---------------------------------------------------------------------------------------------
 // entry points
@@ -259,156 +258,3 @@ int msda_cpu_backward_general(const msda_problem *pr) {
         return MSDA_OK;
     return run_kernel(pr, "msda_backward", kernels);
 }
-
-#else /* GENERAL_SUFFIX: the kernels of one element type */
-
-#define G_CAT_(a, b) a##_##b
-#define G_CAT(a, b) G_CAT_(a, b)
-#define FN(name) G_CAT(name, GENERAL_SUFFIX)
-#define LOAD G_CAT(load, GENERAL_SUFFIX)
-#define STORE G_CAT(store, GENERAL_SUFFIX)
-
-/* A[0..NP) of one (b, q, h) in ACC: the weights as given, or the softmax of the logits
- * (max-subtracted; a NaN logit makes every weight NaN, a -inf one gives weight 0). */
-static void FN(point_weights)(ACC *A, const SCALAR *attn, int64_t NP, int softmax) {
-    for (int64_t i = 0; i < NP; i++) A[i] = LOAD(attn, i);
-    if (!softmax) return;
-    ACC max = A[0];
-    for (int64_t i = 1; i < NP; i++) max = A[i] > max ? A[i] : max;
-    ACC sum = 0;
-    for (int64_t i = 0; i < NP; i++) {
-        A[i] = ACC_EXP(A[i] - max);
-        sum += A[i];
-    }
-    const ACC inv = (ACC)1 / sum;
-    for (int64_t i = 0; i < NP; i++) A[i] *= inv;
-}
-
-/* out[b, q, :, :] for the row bq = b*Q + q. scratch: NP + C ACC. */
-static void FN(forward_row)(const general_ctx *cx, int64_t bq, void *scratch_bytes) {
-    ACC *scratch = (ACC *)scratch_bytes;
-    const msda_problem *pr = cx->pr;
-    const int64_t H = pr->H, C = pr->C, S = pr->S, NP = pr->NP, b = bq / pr->Q;
-    const SCALAR *value = (const SCALAR *)pr->value;
-    const SCALAR *loc = (const SCALAR *)pr->sampling_locations;
-    const SCALAR *attn = (const SCALAR *)pr->attention_weights;
-    SCALAR *out = (SCALAR *)pr->output;
-    ACC *A = scratch, *restrict acc = scratch + NP;
-    for (int64_t h = 0; h < H; h++) {
-        const int64_t qh = bq * H + h;
-        FN(point_weights)(A, attn + qh * NP, NP, cx->softmax);
-        for (int64_t c = 0; c < C; c++) acc[c] = 0;
-        for (int64_t i = 0; i < NP; i++) {
-            general_sample g;
-            const int64_t li = 2 * (qh * NP + i);
-            locate(&g, cx, i, (double)LOAD(loc, li), (double)LOAD(loc, li + 1));
-            if (!g.hit) continue;
-            for (int k = 0; k < 4; k++) {
-                if (g.pos[k] < 0) continue;
-                const SCALAR *restrict row = value + ((b * S + g.pos[k]) * H + h) * C;
-                const ACC w = A[i] * (ACC)g.w[k];
-#pragma omp simd
-                for (int64_t c = 0; c < C; c++) acc[c] += w * LOAD(row, c);
-            }
-        }
-        for (int64_t c = 0; c < C; c++) STORE(out, qh * C + c, acc[c]);
-    }
-}
-
-static int FN(general_forward)(const general_ctx *cx) {
-    const msda_problem *pr = cx->pr;
-    const int64_t rows = pr->B * pr->Q;
-    return run_tasks(cx, "msda_forward", FN(forward_row), rows, rows * pr->H * pr->NP,
-                     (pr->NP + pr->C) * (int64_t)sizeof(ACC), 8);
-}
-
-/* Every gradient of the (b, h) slice bh = b*H + h: grad_value[b, :, h, :] (zeroed here first;
- * this task owns it) and the point gradients of the (b, *, h) points. scratch: 2 NP + C ACC. */
-static void FN(backward_slice)(const general_ctx *cx, int64_t bh, void *scratch_bytes) {
-    ACC *scratch = (ACC *)scratch_bytes;
-    const msda_problem *pr = cx->pr;
-    const int64_t Q = pr->Q, H = pr->H, C = pr->C, S = pr->S, NP = pr->NP;
-    const int64_t b = bh / H, h = bh % H;
-    const SCALAR *value = (const SCALAR *)pr->value;
-    const SCALAR *loc = (const SCALAR *)pr->sampling_locations;
-    const SCALAR *attn = (const SCALAR *)pr->attention_weights;
-    const SCALAR *gout = (const SCALAR *)pr->grad_output;
-    ACC *grad_value = (ACC *)pr->grad_value;
-    SCALAR *grad_loc = (SCALAR *)pr->grad_sampling_locations;
-    SCALAR *grad_attn = (SCALAR *)pr->grad_attention_weights;
-    const int points = grad_loc || grad_attn;
-    const int corners = cx->nearest ? 1 : 4;
-    ACC *A = scratch, *d = scratch + NP, *restrict go = scratch + 2 * NP;
-
-    if (grad_value)
-        for (int64_t s = 0; s < S; s++)
-            memset(grad_value + ((b * S + s) * H + h) * C, 0, (size_t)C * sizeof(ACC));
-    for (int64_t q = 0; q < Q; q++) {
-        const int64_t qh = (b * Q + q) * H + h;
-        FN(point_weights)(A, attn + qh * NP, NP, cx->softmax);
-        for (int64_t c = 0; c < C; c++) go[c] = LOAD(gout, qh * C + c);
-        for (int64_t i = 0; i < NP; i++) {
-            general_sample g;
-            const int64_t li = 2 * (qh * NP + i);
-            locate(&g, cx, i, (double)LOAD(loc, li), (double)LOAD(loc, li + 1));
-            ACC e[4] = {0, 0, 0, 0}; /* go . corner row */
-            if (g.hit) {
-                for (int k = 0; k < corners; k++) {
-                    if (g.pos[k] < 0) continue;
-                    const int64_t off = ((b * S + g.pos[k]) * H + h) * C;
-                    const SCALAR *restrict row = value + off;
-                    if (grad_value) {
-                        ACC *restrict gv = grad_value + off;
-                        const ACC coef = A[i] * (ACC)g.w[k];
-#pragma omp simd
-                        for (int64_t c = 0; c < C; c++) gv[c] += coef * go[c];
-                    }
-                    if (points) {
-                        ACC sum = 0;
-#pragma omp simd reduction(+ : sum)
-                        for (int64_t c = 0; c < C; c++) sum += go[c] * LOAD(row, c);
-                        e[k] = sum;
-                    }
-                }
-            }
-            d[i] = (ACC)g.w[0] * e[0] + (ACC)g.w[1] * e[1] + (ACC)g.w[2] * e[2] +
-                   (ACC)g.w[3] * e[3];
-            if (grad_loc) {
-                ACC gx = 0, gy = 0;
-                if (g.hit && !cx->nearest) {
-                    const ACC fx = (ACC)g.fx, fy = (ACC)g.fy;
-                    const general_level *lv = &cx->levels[cx->point_level[i]];
-                    gx = A[i] * (ACC)lv->w * ((1 - fy) * (e[1] - e[0]) + fy * (e[3] - e[2]));
-                    gy = A[i] * (ACC)lv->h * ((1 - fx) * (e[2] - e[0]) + fx * (e[3] - e[1]));
-                }
-                STORE(grad_loc, li, gx);
-                STORE(grad_loc, li + 1, gy);
-            }
-        }
-        if (!grad_attn) continue;
-        ACC mean = 0; /* sum_j A_j d_j: the softmax's shared term */
-        if (cx->softmax)
-            for (int64_t i = 0; i < NP; i++) mean += A[i] * d[i];
-        for (int64_t i = 0; i < NP; i++)
-            STORE(grad_attn, qh * NP + i, cx->softmax ? A[i] * (d[i] - mean) : d[i]);
-    }
-}
-
-static int FN(general_backward)(const general_ctx *cx) {
-    const msda_problem *pr = cx->pr;
-    const int64_t slices = pr->B * pr->H;
-    return run_tasks(cx, "msda_backward", FN(backward_slice), slices,
-                     slices * pr->Q * pr->NP, (2 * pr->NP + pr->C) * (int64_t)sizeof(ACC), 1);
-}
-
-#undef FN
-#undef LOAD
-#undef STORE
-#undef G_CAT
-#undef G_CAT_
-#undef GENERAL_SUFFIX
-#undef SCALAR
-#undef ACC
-#undef ACC_EXP
-
-#endif /* GENERAL_SUFFIX */
