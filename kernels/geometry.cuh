@@ -18,23 +18,22 @@ __device__ __forceinline__ int64_t load_index(const void *p, int index_dtype, in
     return index_dtype == MSDA_I64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
 }
 
-/* Places (loc_x, loc_y) on a level of H_l x W_l pixels: x = loc_x*W_l - 0.5 (likewise y), the
- * top-left corner (x0, y0) of its cell and the in-cell fraction (fx, fy). Returns false when no
- * corner can be inside the level (NaN and infinite locations included) or the level is absurd.
+/* The one statement of the bilinear geometry (c/msda.h), in float or double, with int64 or int
+ * cell coordinates: places (loc_x, loc_y) on a level of Wf x Hf pixels: x = loc_x*Wf - 0.5
+ * (likewise y), the top-left corner (x0, y0) of its cell and the in-cell fraction (fx, fy).
+ * Returns false when no corner can be inside the level (NaN and infinite locations included).
  * loc*W is split into its rounded product and the exact rounding error (fma), so the fraction
  * is accurate to about one ulp of itself rather than one ulp of x. */
-template <typename Acc>
-__device__ __forceinline__ bool locate(Acc loc_x, Acc loc_y, int64_t H_l, int64_t W_l,
-                                       int64_t &x0, int64_t &y0, Acc &fx, Acc &fy) {
-    if (H_l <= 0 || W_l <= 0 || H_l > ((int64_t)1 << 40) || W_l > ((int64_t)1 << 40)) return false;
-    const Acc Wf = (Acc)W_l, Hf = (Acc)H_l;
+template <typename Acc, typename Int>
+__device__ __forceinline__ bool cell_of(Acc loc_x, Acc loc_y, Acc Wf, Acc Hf, Int &x0, Int &y0,
+                                        Acc &fx, Acc &fy) {
     const Acc px = loc_x * Wf, py = loc_y * Hf;
     const Acc ex = fma_acc(loc_x, Wf, -px), ey = fma_acc(loc_y, Hf, -py);
     const Acc x = px - (Acc)0.5, y = py - (Acc)0.5;
     if (!(x > (Acc)-1 && y > (Acc)-1 && x < Wf && y < Hf)) return false;
     const Acc x0f = floor(x), y0f = floor(y);
-    x0 = (int64_t)x0f;
-    y0 = (int64_t)y0f;
+    x0 = (Int)x0f;
+    y0 = (Int)y0f;
     fx = (x - x0f) + ex;
     fy = (y - y0f) + ey;
     /* x rounded onto or across an integer that the exact x = x + ex does not reach: take the
@@ -44,6 +43,14 @@ __device__ __forceinline__ bool locate(Acc loc_x, Acc loc_y, int64_t H_l, int64_
     if (fy < (Acc)0) y0 -= 1, fy += (Acc)1;
     else if (fy >= (Acc)1) y0 += 1, fy -= (Acc)1;
     return true;
+}
+
+/* cell_of for the generic kernels' level sizes (false for an absurd level). */
+template <typename Acc>
+__device__ __forceinline__ bool locate(Acc loc_x, Acc loc_y, int64_t H_l, int64_t W_l,
+                                       int64_t &x0, int64_t &y0, Acc &fx, Acc &fy) {
+    if (H_l <= 0 || W_l <= 0 || H_l > ((int64_t)1 << 40) || W_l > ((int64_t)1 << 40)) return false;
+    return cell_of<Acc, int64_t>(loc_x, loc_y, (Acc)W_l, (Acc)H_l, x0, y0, fx, fy);
 }
 
 /* Flat position in [0, S) of pixel (yy, xx) of the level starting at `start`, or -1 when the
@@ -95,6 +102,13 @@ __device__ __forceinline__ bool sample_point(Acc loc_x, Acc loc_y, int64_t H_l, 
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
+/* The one statement of nearest-pixel sampling's coordinate (c/msda.h): clamp(floor(loc * size
+ * + 0.5), 0, size - 1), clamped as a float first, so a huge coordinate never overflows the
+ * integer conversion. */
+template <typename Acc> __device__ __forceinline__ Acc nearest_pixel(Acc loc, Acc size) {
+    return fmin(fmax(floor(mul_rn(loc, size) + (Acc)0.5), (Acc)0), size - (Acc)1);
+}
+
 /* nearest-pixel sampling (MSDA_NEAREST): the single pixel (clamp(floor(x*W + 0.5), 0, W-1),
  * clamp(floor(y*H + 0.5), 0, H-1)) as a Point whose corner 0 carries weight 1 (fx = fy = 0).
  * False for a non-finite location or a pixel outside [0, S). */
@@ -105,9 +119,7 @@ __device__ __forceinline__ bool nearest_point(Acc loc_x, Acc loc_y, int64_t H_l,
     if (H_l <= 0 || W_l <= 0 || H_l > ((int64_t)1 << 40) || W_l > ((int64_t)1 << 40)) return false;
     if (!(isfinite(loc_x) && isfinite(loc_y))) return false;
     const Acc Wf = (Acc)W_l, Hf = (Acc)H_l;
-    /* clamped as floats first, so a huge coordinate never overflows the integer conversion */
-    const Acc xf = fmin(fmax(floor(mul_rn(loc_x, Wf) + (Acc)0.5), (Acc)0), Wf - (Acc)1);
-    const Acc yf = fmin(fmax(floor(mul_rn(loc_y, Hf) + (Acc)0.5), (Acc)0), Hf - (Acc)1);
+    const Acc xf = nearest_pixel(loc_x, Wf), yf = nearest_pixel(loc_y, Hf);
     const int64_t idx = pixel_index((int64_t)yf, (int64_t)xf, H_l, W_l, start, S);
     if (idx < 0) return false;
     pt.fx = pt.fy = (Acc)0;
@@ -172,25 +184,12 @@ __device__ __forceinline__ void load_levels(const msda_problem &pr, int4 *s_lvl)
     }
 }
 
-/* locate() in 32-bit arithmetic, for sides up to 2^24 (exact as floats). */
+/* cell_of in 32-bit arithmetic for the fast kernels' level table (sides up to 2^24, exact as
+ * floats; load_levels stores a level it rejects as {0, 0, 0}). */
 __device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int &x0, int &y0,
                                          float &fx, float &fy) {
     if (lvl.y <= 0) return false;
-    const float Wf = (float)lvl.y, Hf = (float)lvl.x;
-    const float px = loc_x * Wf, py = loc_y * Hf;
-    const float ex = fmaf(loc_x, Wf, -px), ey = fmaf(loc_y, Hf, -py);
-    const float x = px - 0.5f, y = py - 0.5f;
-    if (!(x > -1.f && y > -1.f && x < Wf && y < Hf)) return false;
-    const float x0f = floorf(x), y0f = floorf(y);
-    x0 = (int)x0f;
-    y0 = (int)y0f;
-    fx = (x - x0f) + ex;
-    fy = (y - y0f) + ey;
-    if (fx < 0.f) x0 -= 1, fx += 1.f; /* the cell of the exact x: see locate() */
-    else if (fx >= 1.f) x0 += 1, fx -= 1.f;
-    if (fy < 0.f) y0 -= 1, fy += 1.f;
-    else if (fy >= 1.f) y0 += 1, fy -= 1.f;
-    return true;
+    return cell_of<float, int>(loc_x, loc_y, (float)lvl.y, (float)lvl.x, x0, y0, fx, fy);
 }
 
 /* Level of point `pidx` of an item. OPT (in every fast-path helper): the problem may use

@@ -185,8 +185,7 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
     if (flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
         if (lvl.y <= 0 || !(isfinite(lx) && isfinite(ly))) return;
         const float Wf = (float)lvl.y, Hf = (float)lvl.x;
-        const int xx = (int)fminf(fmaxf(floorf(__fmul_rn(lx, Wf) + 0.5f), 0.f), Wf - 1.f);
-        const int yy = (int)fminf(fmaxf(floorf(__fmul_rn(ly, Hf) + 0.5f), 0.f), Hf - 1.f);
+        const int xx = (int)nearest_pixel(lx, Wf), yy = (int)nearest_pixel(ly, Hf);
         const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
         if (idx >= (unsigned)S) return;
         offs.x = it.y + (int)idx * HC;
