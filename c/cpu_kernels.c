@@ -331,32 +331,26 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-int msda_cpu_forward(const msda_problem *pr) {
+typedef int (*cpu_kernel)(const msda_problem *pr, const level_table *lvs);
+
+/* The kernel of pr's dtype (kernels[] in msda_dtype order) on the level table, read once. */
+static int run_kernel(const msda_problem *pr, const char *fn, const cpu_kernel kernels[4]) {
+    if (pr->dtype < 0 || pr->dtype > MSDA_BF16)
+        return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
     level_table *lv = NULL;
-    int st = read_levels(pr, "msda_forward", &lv);
+    int st = read_levels(pr, fn, &lv);
     if (st != MSDA_OK) return st;
-    switch (pr->dtype) {
-    case MSDA_F32: st = forward_f32(pr, lv); break;
-    case MSDA_F64: st = forward_f64(pr, lv); break;
-    case MSDA_F16: st = forward_f16(pr, lv); break;
-    case MSDA_BF16: st = forward_bf16(pr, lv); break;
-    default: st = msda_set_error(MSDA_ERR_INTERNAL, "msda_forward: dtype %d", pr->dtype);
-    }
+    st = kernels[pr->dtype](pr, lv);
     free(lv);
     return st;
 }
 
+int msda_cpu_forward(const msda_problem *pr) {
+    static const cpu_kernel kernels[4] = {forward_f32, forward_f64, forward_f16, forward_bf16};
+    return run_kernel(pr, "msda_forward", kernels);
+}
+
 int msda_cpu_backward(const msda_problem *pr) {
-    level_table *lv = NULL;
-    int st = read_levels(pr, "msda_backward", &lv);
-    if (st != MSDA_OK) return st;
-    switch (pr->dtype) {
-    case MSDA_F32: st = backward_f32(pr, lv); break;
-    case MSDA_F64: st = backward_f64(pr, lv); break;
-    case MSDA_F16: st = backward_f16(pr, lv); break;
-    case MSDA_BF16: st = backward_bf16(pr, lv); break;
-    default: st = msda_set_error(MSDA_ERR_INTERNAL, "msda_backward: dtype %d", pr->dtype);
-    }
-    free(lv);
-    return st;
+    static const cpu_kernel kernels[4] = {backward_f32, backward_f64, backward_f16, backward_bf16};
+    return run_kernel(pr, "msda_backward", kernels);
 }

@@ -41,11 +41,9 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
         Acc mx = 0, inv = 1, dot = 0; /* dot: sum over points of A * dL/dA (softmax) */
         if (softmax) softmax_stats<Acc>(attn + qh * NP, NP, lane, mx, inv);
         for (int64_t l = 0; l < L; l++) {
-            const int64_t H_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
-            const int64_t W_l = load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
-            const int64_t start = load_index(pr.level_start_index, pr.index_dtype, l);
-            const int64_t p_end = level_point_begin(pr, l + 1);
-            for (int64_t p = level_point_begin(pr, l); p < p_end; p++) {
+            const GenericLevel lv = generic_level(pr, l);
+            const int64_t H_l = lv.H, W_l = lv.W, start = lv.start;
+            for (int64_t p = lv.p_begin; p < lv.p_end; p++) {
                 const int64_t i = qh * NP + p;
                 Point<Acc> pt;
                 const bool hit = generic_point<Acc>(pr, loc, i, H_l, W_l, start, b, h, pt);

@@ -145,6 +145,18 @@ __device__ __forceinline__ int64_t level_point_begin(const msda_problem &pr, int
     return pr.uniform_points ? l * pr.P : (int64_t)pr.point_start[l];
 }
 
+/* Level l as the generic kernels walk it: its sides, its start in S and its points
+ * [p_begin, p_end) among an item's. */
+struct GenericLevel {
+    int64_t H, W, start, p_begin, p_end;
+};
+__device__ __forceinline__ GenericLevel generic_level(const msda_problem &pr, int64_t l) {
+    return {load_index(pr.spatial_shapes, pr.index_dtype, 2 * l),
+            load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1),
+            load_index(pr.level_start_index, pr.index_dtype, l), level_point_begin(pr, l),
+            level_point_begin(pr, l + 1)};
+}
+
 /* MSDA_SOFTMAX, generic kernels: the whole warp computes the maximum and 1 / sum(exp(z - max))
  * of the n logits z of one item (lane-strided, then shuffles: every lane gets the same result
  * in the same order). */
