@@ -65,7 +65,10 @@ def _cases():
         # so the per-point kernel is reached there through softmax (its option code)
         cases[("point", dtype, False)] = _case("point", dtype, softmax=dtype != torch.float16)
         cases[("point", dtype, True)] = _case("point", dtype, det=True)
-        cases[("point_sliced", dtype, False)] = _case("point_sliced", dtype, P=8)
+        if dtype == torch.float16:  # f16's sliced points take the per-point kernel
+            cases[("point-sliced-points", dtype, False)] = _case("point", dtype, P=8)
+        else:
+            cases[("point_sliced", dtype, False)] = _case("point_sliced", dtype, P=8)
         for det in (False, True):
             cases[("aggregated", dtype, det)] = _case("aggregated", dtype, det, side=AGG_SIDE,
                                                       C=AGG_C, Q=AGG_Q, P=AGG_P,

@@ -67,7 +67,7 @@ TABLE = [
      R("point", True)),
     # sliced points: too few blocks for the GPU (Deformable DETR's 300 queries)
     ("f32 ddetr_dec", dict(dtype=f32, Q=300), R("point_sliced")),
-    ("f16 ddetr_dec", dict(dtype=f16, Q=300), R("point_sliced")),
+    ("f16 ddetr_dec (sliced, not split)", dict(dtype=f16, Q=300), R("point")),
     ("bf16 ddetr_dec A100", dict(dtype=bf16, Q=300, device=A100), R("point_sliced", False, True)),
     # pipelined: plain f32 (up to 64 channels) and bf16 decoders that fill the GPU, or whose
     # items have fewer than 8 points (never sliced)
@@ -143,7 +143,8 @@ GPU_CASES = [
     ("point", (f32, bf16), 32, 7, 2, dict(softmax=True), False),
     ("point", (f32, f16), 128, 7, 2, dict(sampling="nearest"), False),
     ("point", (f32, f16, bf16), 32, 7, 2, {}, True),
-    ("point_sliced", (f32, f16, bf16), 32, 7, 4, {}, False),
+    ("point_sliced", (f32, bf16), 32, 7, 4, {}, False),
+    ("point", (f16,), 32, 7, 4, {}, False),  # f16 points sliced through the per-point kernel
     ("point_pipelined", (f32, bf16), 16, 7, 2, {}, False),
     ("point_pipelined", (f32,), 64, 7, 2, {}, False),
     ("aggregated", (f32, f16, bf16), 32, 100, 2, {}, False),
