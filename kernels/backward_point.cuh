@@ -167,6 +167,16 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             for (int j = 0; j < V; j++)
                 go_det[j] = item < n_items ? to_acc(gout[(int64_t)row * C + g + j * G]) : 0.f;
         }
+        /* grad_value[off + channels] += coef * grad_output: DET's fixed point (lanes of a
+         * group on consecutive 8-byte words), or the vector atomics of scatter_corner */
+        auto scatter = [&](unsigned off, float coef) {
+            if constexpr (DET) {
+#pragma unroll
+                for (int j = 0; j < V; j++) det_add(det_acc + off + j * G, coef * go_det[j], scale);
+            } else {
+                scatter_corner<T, NATIVE, V>(grad_value, grad_value_t, off, coef, go);
+            }
+        };
         group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
         if (softmax) __syncthreads();
         float dot = 0.f; /* softmax: sum over the item's points of A * dL/dA, in point order */
@@ -177,71 +187,46 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
                                            s_offs, s_geo);
             __syncthreads();
-            if constexpr (PIPE) {
-                /* point k + 1's gathers issued before point k's atomics and sums (one
-                 * dependent round trip a point otherwise); only the gathered corners are
-                 * carried over, the rest of point k is read again from shared memory. */
-                Carried<T, V> cur;
-                cur.gather(value, s_offs[local * St::STRIDE], point_grads);
-                for (int k = 0; k < kn; k++) {
-                    Carried<T, V> nxt;
+            /* One point loop for every form. Plain: a corner's gather, then its scatter.
+             * PIPE: point k + 1's gathers issued before point k's atomics and sums (one
+             * dependent round trip a point otherwise); only the gathered corners are carried
+             * over, the rest of point k is read again from shared memory. SPLIT: no scatter
+             * here; it follows the chunk's loads below. Every lane runs the same trip count
+             * (items past the end have no inside corners), so the group shuffles see all
+             * their lanes. */
+            Carried<T, V> cur;
+            if constexpr (PIPE) cur.gather(value, s_offs[local * St::STRIDE], point_grads);
+            for (int k = 0; k < kn; k++) {
+                float v[4][V];
+                Carried<T, V> nxt;
+                if constexpr (PIPE) {
                     nxt.gather(value, s_offs[local * St::STRIDE + (k + 1 < kn ? k + 1 : k)],
                                point_grads && k + 1 < kn);
-                    float vc[4][V];
-                    cur.widen(vc);
-                    const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
-                    if (grad_value) {
-#pragma unroll
-                        for (int c = 0; c < 4; c++)
-                            if (pt.o[c] >= 0)
-                                scatter_corner<T, NATIVE, V>(grad_value, grad_value_t,
-                                                             (unsigned)pt.o[c], pt.a * pt.w[c], go);
-                    }
-                    if (point_grads) {
-                        const float3 sums = point_sums<G, V>(go, pt.w, pt.fx, pt.fy, vc);
-                        const bool hit = pt.o[0] >= 0 || pt.o[1] >= 0 || pt.o[2] >= 0 || pt.o[3] >= 0;
-                        if (g == 0)
-                            s_sums[local * St::STRIDE + k] =
-                                make_float4(sums.x, sums.y, sums.z, hit ? 1.f : 0.f);
-                    }
-                    cur = nxt;
+                    cur.widen(v);
                 }
-            } else
-            /* Every lane runs the same trip count (items past the end have no inside corners),
-             * so the group shuffles below see all their lanes. */
-            for (int k = 0; k < kn; k++) {
                 const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
-                const float a = pt.a, fx = pt.fx, fy = pt.fy;
-                const float(&w)[4] = pt.w;
-                const int(&o)[4] = pt.o;
-                float v[4][V];
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
-                    if (o[c] >= 0) {
-                        if (point_grads) load_vec(value + (unsigned)o[c], v[c]);
-                        if (!SPLIT && grad_value) {
-                            if (DET) { /* lanes of a group on consecutive 8-byte words */
-#pragma unroll
-                                for (int j = 0; j < V; j++)
-                                    det_add(det_acc + (unsigned)o[c] + j * G, a * w[c] * go_det[j], scale);
-                            } else {
-                                scatter_corner<T, NATIVE, V>(grad_value, grad_value_t, (unsigned)o[c],
-                                                             a * w[c], go);
-                            }
-                        }
-                    } else {
+                    if (pt.o[c] >= 0) {
+                        if (!PIPE && point_grads) load_vec(value + (unsigned)pt.o[c], v[c]);
+                        if (!SPLIT && grad_value) scatter((unsigned)pt.o[c], pt.a * pt.w[c]);
+                    } else if (!PIPE) {
 #pragma unroll
                         for (int j = 0; j < V; j++) v[c][j] = 0.f;
                     }
                 }
-                if (!point_grads) continue;
-                const float3 sums = point_sums<G, V>(go, w, fx, fy, v);
-                const float s_a = sums.x, s_x = sums.y, s_y = sums.z;
-                if (softmax) dot += a * s_a;
-                /* .w marks a point with a corner inside: only those scale by A (a non-finite A
-                 * of a point outside must leave its zero gradients zero, as on the CPU). */
-                const bool hit = o[0] >= 0 || o[1] >= 0 || o[2] >= 0 || o[3] >= 0;
-                if (g == 0) s_sums[local * St::STRIDE + k] = make_float4(s_a, s_x, s_y, hit ? 1.f : 0.f);
+                if (point_grads) {
+                    const float3 sums = point_sums<G, V>(go, pt.w, pt.fx, pt.fy, v);
+                    if (softmax) dot += pt.a * sums.x;
+                    /* .w marks a point with a corner inside: only those scale by A (a
+                     * non-finite A of a point outside must leave its zero gradients zero, as
+                     * on the CPU). */
+                    const bool hit = pt.o[0] >= 0 || pt.o[1] >= 0 || pt.o[2] >= 0 || pt.o[3] >= 0;
+                    if (g == 0)
+                        s_sums[local * St::STRIDE + k] =
+                            make_float4(sums.x, sums.y, sums.z, hit ? 1.f : 0.f);
+                }
+                if constexpr (PIPE) cur = nxt;
             }
             if (SPLIT && grad_value) { /* the scatter, once grad_value is zero */
                 grid_dep_wait();
@@ -249,9 +234,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     const StagedPoint pt = staged_point<St>(s_offs, s_geo, local, k);
 #pragma unroll
                     for (int c = 0; c < 4; c++)
-                        if (pt.o[c] >= 0)
-                            scatter_corner<T, NATIVE, V>(grad_value, grad_value_t, (unsigned)pt.o[c],
-                                                         pt.a * pt.w[c], go);
+                        if (pt.o[c] >= 0) scatter((unsigned)pt.o[c], pt.a * pt.w[c]);
                 }
             }
             if (point_grads) {
