@@ -47,12 +47,42 @@ static void test_capabilities(void) {
     CHECK(strcmp(msda_status_string(12345), "unknown status") == 0, "unknown status string");
 }
 
+/* The msda_args of a call on these sizes, codes and inputs (one thread, no options); the
+ * caller sets the outputs. */
+static msda_args make_args(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                           int64_t P, int dtype, int index_dtype, int device, const void *value,
+                           const void *shapes, const void *starts, const void *loc,
+                           const void *attn) {
+    msda_args a = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P, .dtype = dtype,
+                   .index_dtype = index_dtype, .device = device, .num_threads = 1,
+                   .value = value, .spatial_shapes = shapes, .level_start_index = starts,
+                   .sampling_locations = loc, .attention_weights = attn};
+    return a;
+}
+
 static int call_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
                         int64_t P, int dtype, int index_dtype, int device, const void *value,
                         const void *shapes, const void *starts, const void *loc,
                         const void *attn, void *out) {
-    return msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, 1, NULL, 0, value,
-                        shapes, starts, loc, attn, out, NULL);
+    msda_args a = make_args(B, S, H, C, L, Q, P, dtype, index_dtype, device, value, shapes,
+                            starts, loc, attn);
+    a.output = out;
+    return msda_forward(&a);
+}
+
+/* A CPU backward on num_threads threads, no workspace. */
+static int call_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                         int64_t P, int dtype, int num_threads, const void *value,
+                         const void *shapes, const void *starts, const void *loc,
+                         const void *attn, const void *gout, void *gv, void *gloc, void *gattn) {
+    msda_args a = make_args(B, S, H, C, L, Q, P, dtype, MSDA_I64, -1, value, shapes, starts, loc,
+                            attn);
+    a.num_threads = num_threads;
+    a.grad_output = gout;
+    a.grad_value = gv;
+    a.grad_sampling_locations = gloc;
+    a.grad_attention_weights = gattn;
+    return msda_backward(&a);
 }
 
 static void test_argument_checks(void) {
@@ -212,8 +242,8 @@ static void test_cpu_forward_backward(void) {
 
     /* Backward: compare the location gradient with central differences of the forward, and
      * the weight gradient with its definition (the sample), on a few entries. */
-    st = msda_backward(B, S, H, C, L, Q, P, MSDA_F64, MSDA_I64, -1, 2, NULL, 0, v, shapes, starts,
-                       loc, attn, gout, gv, gloc, gattn, NULL, 0, NULL);
+    st = call_backward(B, S, H, C, L, Q, P, MSDA_F64, 2, v, shapes, starts, loc, attn, gout, gv,
+                       gloc, gattn);
     CHECK(st == MSDA_OK, "backward: %s", msda_last_error());
     double worst = 0;
     for (int i = 0; i < 12; i++) {
@@ -256,8 +286,8 @@ static void test_lying_shapes_stay_in_bounds(void) {
     int finite = 1;
     for (int i = 0; i < Q; i++) finite &= isfinite(out[i]) && out[i] >= 0 && out[i] <= L * P;
     CHECK(st == MSDA_OK && finite, "lying shapes forward: %d %s", st, msda_last_error());
-    st = msda_backward(1, S, 1, 1, L, Q, P, MSDA_F32, MSDA_I64, -1, 1, NULL, 0, v, shapes, starts,
-                       loc, attn, gout, gv, gloc, gattn, NULL, 0, NULL);
+    st = call_backward(1, S, 1, 1, L, Q, P, MSDA_F32, 1, v, shapes, starts, loc, attn, gout, gv,
+                       gloc, gattn);
     CHECK(st == MSDA_OK, "lying shapes backward: %d %s", st, msda_last_error());
     free(v), free(loc), free(attn), free(out), free(gout), free(gv), free(gloc), free(gattn);
 }
