@@ -1,7 +1,7 @@
 /* tests/c/test_c_api.c: C-level tests of libpymsda, without Python or torch.
  * - capability queries and status strings;
- * - argument checks return MSDA_ERR_INVALID_ARGUMENT with a text naming the argument, and the
- *   text is per thread;
+ * - argument checks return MSDA_ERR_INVALID_ARGUMENT with a text naming the argument (a NULL
+ *   msda_args included), and the text is per thread;
  * - the half/bfloat16 conversions (c/half.h): every binary16 value round-trips, and float ->
  *   half/bf16 rounds to the nearest representable value, ties to even;
  * - a small CPU forward and backward against a direct double computation written here;
@@ -120,6 +120,35 @@ static void test_argument_checks(void) {
                       buf);
     CHECK(st == MSDA_OK && msda_last_error()[0] == '\0', "valid call: %d %s", st,
           msda_last_error());
+}
+
+static void test_null_args_refused(void) {
+    /* Every entry point taking a msda_args refuses NULL, naming itself; a nonzero reserved field
+     * is refused too. */
+    CHECK(msda_forward(NULL) == MSDA_ERR_INVALID_ARGUMENT &&
+              strcmp(msda_last_error(), "msda_forward: args is NULL") == 0,
+          "forward NULL: %s", msda_last_error());
+    CHECK(msda_backward(NULL) == MSDA_ERR_INVALID_ARGUMENT &&
+              strcmp(msda_last_error(), "msda_backward: args is NULL") == 0,
+          "backward NULL: %s", msda_last_error());
+    CHECK(msda_backward_workspace_size(NULL) == -1 &&
+              strcmp(msda_last_error(), "msda_backward_workspace_size: args is NULL") == 0,
+          "workspace size NULL: %s", msda_last_error());
+    CHECK(msda_backward_route(NULL, 7, 1, 132, 1) == -1 &&
+              strcmp(msda_last_error(), "msda_backward_route: args is NULL") == 0,
+          "route NULL: %s", msda_last_error());
+    float buf[8] = {0};
+    int64_t shapes[2] = {2, 2}, starts[1] = {0};
+    msda_args a = make_args(1, 4, 1, 1, 1, 1, 1, MSDA_F32, MSDA_I64, -1, buf, shapes, starts, buf,
+                            buf);
+    a.output = buf;
+    a.reserved = 1;
+    CHECK(msda_forward(&a) == MSDA_ERR_INVALID_ARGUMENT && strstr(msda_last_error(), "reserved"),
+          "reserved 1: %s", msda_last_error());
+    a.reserved = 0;
+    CHECK(msda_forward(&a) == MSDA_OK && msda_backward_workspace_size(&a) == 0 &&
+              msda_last_error()[0] == '\0',
+          "valid args after a refusal: %s", msda_last_error());
 }
 
 static void *thread_fails(void *arg) {
@@ -332,6 +361,7 @@ static void test_level_starts(void) {
 int main(void) {
     test_capabilities();
     test_argument_checks();
+    test_null_args_refused();
     test_error_text_is_per_thread();
     test_half_conversions();
     test_cpu_forward_backward();
