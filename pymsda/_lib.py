@@ -31,19 +31,35 @@ ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
 # msda_args (c/msda.h), the one argument of the compute entry points: its fields in order with
 # their struct codes. ARGS is its layout (fixed-width fields, no padding, 64-bit pointers: 192
 # bytes); the calls pass it packed into a bytes object, a fresh one per call, so concurrent
-# calls never share a buffer.
+# calls never share a buffer. A pointer is packed as a signed int64 ("q": user-space addresses
+# are below 2^63, and struct packs "q" faster than "Q").
+_PTR = "q"
 ARGS_FIELDS = (
     ("B", "q"), ("S", "q"), ("H", "q"), ("C", "q"), ("L", "q"), ("Q", "q"), ("P", "q"),
     ("dtype", "i"), ("index_dtype", "i"), ("device", "i"), ("num_threads", "i"), ("flags", "i"),
     ("reserved", "i"),
-    ("level_points", "Q"), ("value", "Q"), ("spatial_shapes", "Q"), ("level_start_index", "Q"),
-    ("sampling_locations", "Q"), ("attention_weights", "Q"), ("grad_output", "Q"),
-    ("output", "Q"), ("grad_value", "Q"), ("grad_sampling_locations", "Q"),
-    ("grad_attention_weights", "Q"), ("workspace", "Q"), ("workspace_bytes", "q"),
-    ("stream", "Q"),
+    ("level_points", _PTR), ("value", _PTR), ("spatial_shapes", _PTR),
+    ("level_start_index", _PTR), ("sampling_locations", _PTR), ("attention_weights", _PTR),
+    ("grad_output", _PTR), ("output", _PTR), ("grad_value", _PTR),
+    ("grad_sampling_locations", _PTR), ("grad_attention_weights", _PTR), ("workspace", _PTR),
+    ("workspace_bytes", "q"), ("stream", _PTR),
 )
-ARGS = struct.Struct("=" + "".join(code for _, code in ARGS_FIELDS))
 ARGS_NAMES = tuple(name for name, _ in ARGS_FIELDS)
+
+
+def _args_struct(names):
+    """struct.Struct of msda_args packing the fields `names`, the others as zero bytes (pad
+    bytes "x"); runs of one code merged ("7q", not "qqqqqqq": struct packs it faster)."""
+    runs = []
+    for name, code in ARGS_FIELDS:
+        count, code = (1, code) if name in names else (struct.calcsize(code), "x")
+        if runs and runs[-1][1] == code:
+            count += runs.pop()[0]
+        runs.append((count, code))
+    return struct.Struct("=" + "".join(f"{count}{code}" for count, code in runs))
+
+
+ARGS = _args_struct(ARGS_NAMES)
 
 
 def args_packer(*names):
@@ -52,8 +68,7 @@ def args_packer(*names):
     no constant zeros (seven more arguments cost a struct.pack about 0.1 us)."""
     if list(names) != [n for n in ARGS_NAMES if n in names]:
         raise ValueError(f"{names} are not fields of msda_args in its order {ARGS_NAMES}")
-    return struct.Struct("=" + "".join(
-        code if name in names else f"{struct.calcsize(code)}x" for name, code in ARGS_FIELDS)).pack
+    return _args_struct(names).pack
 
 
 def pack_args(**fields):

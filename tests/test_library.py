@@ -315,7 +315,7 @@ def test_args_struct_mirrors_the_header():
         kind, names = re.match(r"\s*(?:const\s+)?(\w+)\s*(.*)", declaration, re.S).groups()
         for name in names.split(","):
             pointer = name.strip().startswith("*")
-            fields.append((name.strip(" *\n"), "Q" if pointer else codes[kind]))
+            fields.append((name.strip(" *\n"), _lib._PTR if pointer else codes[kind]))
     assert tuple(fields) == _lib.ARGS_FIELDS
     size = int(re.search(r"no padding .*?: (\d+)\s*\*?\s*bytes", header, re.S).group(1))
     assert _lib.ARGS.size == size == 192
