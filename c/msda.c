@@ -1,8 +1,8 @@
 /* c/msda.c: the public entry points of libpymsda.
  * Each one checks its arguments (a bad one gives MSDA_ERR_INVALID_ARGUMENT and a text naming it),
  * returns early on empty problems, and dispatches to the CPU kernels or the CUDA launchers. */
-#include <limits.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -200,169 +200,148 @@ static int check_alignment(const char *fn, const msda_problem *pr) {
     return MSDA_OK;
 }
 
-#define REQUIRE_POINTER(fn, p)                                                                    \
+/* The layout c/msda.h promises and pymsda/_lib.py mirrors. */
+_Static_assert(sizeof(void *) == 8, "msda_args is laid out for 64-bit pointers");
+_Static_assert(offsetof(msda_args, reserved) == 76 && offsetof(msda_args, level_points) == 80 &&
+                   offsetof(msda_args, workspace_bytes) == 176 && sizeof(msda_args) == 192,
+               "msda_args has padding");
+
+/* The problem *args describes, before its checks (level_points is read by check_problem). With
+ * whole = 0, for the queries, only the sizes, dtype, device and flags: the other fields are
+ * left as in a zeroed struct, whatever args holds. */
+static int read_args(const char *fn, const msda_args *args, int whole, msda_problem *pr) {
+    if (args == NULL) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
+    if (args->reserved != 0)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: reserved = %d must be 0", fn,
+                              (int)args->reserved);
+    *pr = (msda_problem){.B = args->B, .S = args->S, .H = args->H, .C = args->C, .L = args->L,
+                         .Q = args->Q, .P = args->P, .flags = args->flags, .dtype = args->dtype,
+                         .device = args->device};
+    if (!whole) return MSDA_OK;
+    pr->index_dtype = args->index_dtype;
+    pr->num_threads = args->num_threads;
+    pr->value = args->value;
+    pr->spatial_shapes = args->spatial_shapes;
+    pr->level_start_index = args->level_start_index;
+    pr->sampling_locations = args->sampling_locations;
+    pr->attention_weights = args->attention_weights;
+    pr->grad_output = args->grad_output;
+    pr->output = args->output;
+    pr->grad_value = args->grad_value;
+    pr->grad_sampling_locations = args->grad_sampling_locations;
+    pr->grad_attention_weights = args->grad_attention_weights;
+    pr->workspace = args->workspace;
+    pr->workspace_bytes = args->workspace_bytes;
+    pr->stream = args->stream;
+    return MSDA_OK;
+}
+
+/* A NULL pointer the call needs is refused, naming it: a local (REQUIRE_POINTER) or a field of
+ * the problem (REQUIRE_FIELD). */
+#define REQUIRE_NAMED(fn, p, name)                                                                \
     do {                                                                                          \
         if ((p) == NULL)                                                                          \
-            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, #p);          \
+            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, name);        \
     } while (0)
+#define REQUIRE_POINTER(fn, p) REQUIRE_NAMED(fn, p, #p)
+#define REQUIRE_FIELD(fn, pr, field) REQUIRE_NAMED(fn, (pr).field, #field)
 
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q, int64_t P,
-                 int dtype, int index_dtype, int device, int num_threads,
-                 const int64_t *level_points, int flags, const void *value,
-                 const void *spatial_shapes, const void *level_start_index,
-                 const void *sampling_locations, const void *attention_weights, void *output,
-                 void *stream) {
+int msda_forward(const msda_args *args) {
     static const char fn[] = "msda_forward";
     last_error[0] = '\0';
-    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
-                       .flags = flags, .dtype = dtype, .index_dtype = index_dtype,
-                       .device = device, .num_threads = num_threads, .value = value,
-                       .spatial_shapes = spatial_shapes, .level_start_index = level_start_index,
-                       .sampling_locations = sampling_locations,
-                       .attention_weights = attention_weights, .output = output,
-                       .stream = stream};
-    int st = check_problem(fn, &pr, level_points);
+    msda_problem pr;
+    int st = read_args(fn, args, 1, &pr);
+    if (st == MSDA_OK) st = check_problem(fn, &pr, args->level_points);
     if (st == MSDA_OK) st = check_alignment(fn, &pr);
     if (st != MSDA_OK) return st;
-    if (B == 0 || Q == 0) return MSDA_OK; /* nothing to write */
-    REQUIRE_POINTER(fn, output);
-    REQUIRE_POINTER(fn, spatial_shapes);
-    REQUIRE_POINTER(fn, level_start_index);
-    REQUIRE_POINTER(fn, sampling_locations);
-    REQUIRE_POINTER(fn, attention_weights);
-    if (S > 0) REQUIRE_POINTER(fn, value);
-    if (device >= 0) return msda_cuda_forward(&pr);
+    if (pr.B == 0 || pr.Q == 0) return MSDA_OK; /* nothing to write */
+    REQUIRE_FIELD(fn, pr, output);
+    REQUIRE_FIELD(fn, pr, spatial_shapes);
+    REQUIRE_FIELD(fn, pr, level_start_index);
+    REQUIRE_FIELD(fn, pr, sampling_locations);
+    REQUIRE_FIELD(fn, pr, attention_weights);
+    if (pr.S > 0) REQUIRE_FIELD(fn, pr, value);
+    if (pr.device >= 0) return msda_cuda_forward(&pr);
     return msda_needs_general(&pr) ? msda_cpu_forward_general(&pr) : msda_cpu_forward(&pr);
 }
 
-int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L,
-                                     int64_t Q, int64_t P, int dtype, int device, int flags) {
+int64_t msda_backward_workspace_size(const msda_args *args) {
     static const char fn[] = "msda_backward_workspace_size";
     last_error[0] = '\0';
-    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
-                       .flags = flags, .dtype = dtype, .device = device};
-    if (check_problem(fn, &pr, NULL) != MSDA_OK) return -1;
-    if (device < 0) return 0;
+    msda_problem pr;
+    if (read_args(fn, args, 0, &pr) != MSDA_OK || check_problem(fn, &pr, NULL) != MSDA_OK)
+        return -1;
+    if (pr.device < 0) return 0;
     return msda_cuda_workspace_size(&pr);
 }
 
-int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q, int64_t P,
-                  int dtype, int index_dtype, int device, int num_threads,
-                  const int64_t *level_points, int flags, const void *value,
-                  const void *spatial_shapes, const void *level_start_index,
-                  const void *sampling_locations, const void *attention_weights,
-                  const void *grad_output, void *grad_value, void *grad_sampling_locations,
-                  void *grad_attention_weights, void *workspace, int64_t workspace_bytes,
-                  void *stream) {
+int msda_backward(const msda_args *args) {
     static const char fn[] = "msda_backward";
     last_error[0] = '\0';
-    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
-                       .flags = flags, .dtype = dtype, .index_dtype = index_dtype,
-                       .device = device, .num_threads = num_threads, .value = value,
-                       .spatial_shapes = spatial_shapes, .level_start_index = level_start_index,
-                       .sampling_locations = sampling_locations,
-                       .attention_weights = attention_weights, .grad_output = grad_output,
-                       .grad_value = grad_value, .grad_sampling_locations = grad_sampling_locations,
-                       .grad_attention_weights = grad_attention_weights, .workspace = workspace,
-                       .workspace_bytes = workspace_bytes, .stream = stream};
-    int st = check_problem(fn, &pr, level_points);
+    msda_problem pr;
+    int st = read_args(fn, args, 1, &pr);
+    if (st == MSDA_OK) st = check_problem(fn, &pr, args->level_points);
     if (st == MSDA_OK) st = check_alignment(fn, &pr);
     if (st != MSDA_OK) return st;
-    if (!grad_value && !grad_sampling_locations && !grad_attention_weights) return MSDA_OK;
-    if (B == 0 || (Q == 0 && S == 0)) return MSDA_OK; /* every gradient is empty */
+    if (!pr.grad_value && !pr.grad_sampling_locations && !pr.grad_attention_weights)
+        return MSDA_OK;
+    if (pr.B == 0 || (pr.Q == 0 && pr.S == 0)) return MSDA_OK; /* every gradient is empty */
     /* Q == 0 with S > 0 still needs grad_value zeroed, which the kernels do. */
-    REQUIRE_POINTER(fn, spatial_shapes);
-    REQUIRE_POINTER(fn, level_start_index);
-    if (Q > 0) {
-        REQUIRE_POINTER(fn, grad_output);
-        REQUIRE_POINTER(fn, sampling_locations);
-        REQUIRE_POINTER(fn, attention_weights);
-        if (S > 0) REQUIRE_POINTER(fn, value);
+    REQUIRE_FIELD(fn, pr, spatial_shapes);
+    REQUIRE_FIELD(fn, pr, level_start_index);
+    if (pr.Q > 0) {
+        REQUIRE_FIELD(fn, pr, grad_output);
+        REQUIRE_FIELD(fn, pr, sampling_locations);
+        REQUIRE_FIELD(fn, pr, attention_weights);
+        if (pr.S > 0) REQUIRE_FIELD(fn, pr, value);
     }
-    if (device >= 0 && grad_value) {
+    if (pr.device >= 0 && pr.grad_value) {
         const int64_t need = msda_cuda_workspace_size(&pr);
-        if (need > 0 && (workspace == NULL || workspace_bytes < need))
+        if (need > 0 && (pr.workspace == NULL || pr.workspace_bytes < need))
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
                                   "%s: this CUDA backward (%s) needs a workspace of %lld bytes "
                                   "(msda_backward_workspace_size), got %s of %lld bytes",
-                                  fn, flags & MSDA_DETERMINISTIC
+                                  fn, pr.flags & MSDA_DETERMINISTIC
                                           ? "deterministic"
                                           : "f32 accumulation of a half-precision grad_value",
-                                  (long long)need, workspace ? "one" : "NULL",
-                                  (long long)workspace_bytes);
+                                  (long long)need, pr.workspace ? "one" : "NULL",
+                                  (long long)pr.workspace_bytes);
     }
-    if (device >= 0) return msda_cuda_backward(&pr);
+    if (pr.device >= 0) return msda_cuda_backward(&pr);
     return msda_needs_general(&pr) ? msda_cpu_backward_general(&pr) : msda_cpu_backward(&pr);
 }
 
-int msda_backward_route(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
-                        int64_t P, int dtype, const int64_t *level_points, int flags, int grads,
-                        int aligned16, int device, int multiprocessors, int sm90_code) {
+int msda_backward_route(const msda_args *args, int grads, int aligned16, int multiprocessors,
+                        int sm90_code) {
     static const char fn[] = "msda_backward_route";
     last_error[0] = '\0';
+    msda_problem pr;
+    if (read_args(fn, args, 0, &pr) != MSDA_OK) return -1;
     /* the gradients wanted stand for themselves as non-NULL pointers: only their presence and
      * (aligned16) their alignment matter to the choice */
     static char wanted;
-    msda_problem pr = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P,
-                       .flags = flags, .dtype = dtype, .device = device,
-                       .grad_value = grads & 1 ? &wanted : NULL,
-                       .grad_sampling_locations = grads & 2 ? &wanted : NULL,
-                       .grad_attention_weights = grads & 4 ? &wanted : NULL};
+    pr.grad_value = grads & 1 ? &wanted : NULL;
+    pr.grad_sampling_locations = grads & 2 ? &wanted : NULL;
+    pr.grad_attention_weights = grads & 4 ? &wanted : NULL;
     if (grads & ~7)
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: grads = %d has bits outside 1 | 2 "
                               "| 4", fn, grads), -1;
     const int explicit_device = multiprocessors > 0 && sm90_code >= 0;
     if (explicit_device) pr.device = -1; /* the facts are given: no device is asked */
-    if (check_problem(fn, &pr, level_points) != MSDA_OK) return -1;
+    if (check_problem(fn, &pr, args->level_points) != MSDA_OK) return -1;
     if (!explicit_device) {
-        if (device < 0)
+        if (args->device < 0)
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: device %d: give a CUDA device "
-                                  "or its multiprocessors and sm90_code", fn, device), -1;
-        if (msda_cuda_device_facts(device, &multiprocessors, &sm90_code) != MSDA_OK) return -1;
+                                  "or its multiprocessors and sm90_code", fn, args->device), -1;
+        if (msda_cuda_device_facts(args->device, &multiprocessors, &sm90_code) != MSDA_OK)
+            return -1;
     }
     msda_backward_plan plan;
     msda_plan_backward(&pr, aligned16 != 0, multiprocessors, sm90_code != 0, &plan);
     return plan.kernel | plan.modifiers;
-}
-
-/* The packed entry points (msda.h): unpack and call. */
-#define PACKED_PTR(a) ((void *)(intptr_t)(a))
-
-/* NULL, or an int entry (dtype, index_dtype, device, num_threads, flags: entries 7, 8, 9, 10
- * and 12 of both layouts) outside the range of int, is refused. */
-static int packed_check(const char *fn, const int64_t *args) {
-    static const int ints[] = {7, 8, 9, 10, 12};
-    if (!args) return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: args is NULL", fn);
-    for (int i = 0; i < 5; i++)
-        if (args[ints[i]] < INT_MIN || args[ints[i]] > INT_MAX)
-            return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
-                                  "%s: entry %d = %lld does not fit an int", fn, ints[i],
-                                  (long long)args[ints[i]]);
-    return MSDA_OK;
-}
-
-int msda_forward_packed(const int64_t *a) {
-    const int st = packed_check("msda_forward_packed", a);
-    if (st != MSDA_OK) return st;
-    return msda_forward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], (int)a[7], (int)a[8],
-                        (int)a[9], (int)a[10], (const int64_t *)PACKED_PTR(a[11]), (int)a[12],
-                        PACKED_PTR(a[13]), PACKED_PTR(a[14]), PACKED_PTR(a[15]),
-                        PACKED_PTR(a[16]), PACKED_PTR(a[17]), PACKED_PTR(a[18]),
-                        PACKED_PTR(a[19]));
-}
-
-int msda_backward_packed(const int64_t *a) {
-    const int st = packed_check("msda_backward_packed", a);
-    if (st != MSDA_OK) return st;
-    return msda_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], (int)a[7], (int)a[8],
-                         (int)a[9], (int)a[10], (const int64_t *)PACKED_PTR(a[11]), (int)a[12],
-                         PACKED_PTR(a[13]), PACKED_PTR(a[14]), PACKED_PTR(a[15]),
-                         PACKED_PTR(a[16]), PACKED_PTR(a[17]), PACKED_PTR(a[18]),
-                         PACKED_PTR(a[19]), PACKED_PTR(a[20]), PACKED_PTR(a[21]),
-                         PACKED_PTR(a[22]), a[23], PACKED_PTR(a[24]));
 }
 
 int msda_level_starts(int64_t L, int64_t S, int index_dtype, int device,

@@ -2,27 +2,7 @@
  *
  * This is the only header the Python side mirrors (pymsda/_lib.py). It includes no CUDA and no
  * torch header: streams are `void *`, tensors are raw pointers to contiguous row-major memory.
- *
- * Sizes (all int64_t):
- *   B batch, S value length (sum over levels of H_l*W_l), H heads, C channels per head,
- *   L levels, Q queries, P points per level (or, with `level_points`, points in all: see below).
- * Layouts (contiguous, row-major, element type given by `dtype` unless said otherwise):
- *   value                (B, S, H, C)
- *   spatial_shapes       (L, 2) rows (H_l, W_l), element type given by `index_dtype`
- *   level_start_index    (L,)   offset of level l in S, element type given by `index_dtype`
- *   sampling_locations   (B, Q, H, L, P, 2) last dim (x, y), normalised to [0, 1]
- *   attention_weights    (B, Q, H, L, P)
- *   output               (B, Q, H, C)   (the caller views it as (B, Q, H*C))
- *   grad_output          (B, Q, H, C)
- *   grad_value           (B, S, H, C)   `dtype`; on the CPU float32 for MSDA_F16 / MSDA_BF16 (the
- *                                       f32 accumulation buffer; the caller casts)
- *   grad_sampling_locations (B, Q, H, L, P, 2), grad_attention_weights (B, Q, H, L, P)
- *
- * Per-level point counts (RT-DETRv2's num_points_list): `level_points` NULL means every level has
- * P points. Otherwise it is a host array of L counts (each >= 0, L <= MSDA_MAX_POINT_LEVELS) whose
- * sum is P; sampling_locations is then (B, Q, H, P, 2) and attention_weights (B, Q, H, P), the
- * points of level 0 first, then those of level 1, and so on. With every count equal to P / L the
- * memory layout is the NULL case's.
+ * A call's arguments travel in one msda_args (below), whose fields say what each one is.
  *
  * Math (the one statement of it: every kernel, CPU and CUDA, computes exactly this). Per
  * (b, q, h), points i = 0 .. NP-1 (NP = L * P, or P with level_points); point i belongs to
@@ -59,27 +39,20 @@
  *     runs give bitwise identical gradients. On CUDA it needs a workspace of
  *     msda_backward_workspace_size() bytes; the CPU backward is deterministic whatever the flag.
  *
- * Device: `device` = -1 runs on the CPU (host pointers; `stream` ignored; `num_threads` <= 0 means
- * the OpenMP default). `device` >= 0 runs on that CUDA device (device pointers for every tensor,
- * spatial_shapes and level_start_index included) on `stream` (a cudaStream_t; NULL = the legacy
- * default stream). The library selects the device for the launch and restores the caller's.
- *
  * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
  * point returns an msda_status; on failure msda_last_error() holds this thread's error text.
- * Backward writes every gradient it is given in full (grad_value is zeroed first, on the stream);
- * any gradient pointer may be NULL when it is not needed. `workspace` is scratch device memory
- * the caller allocates (NULL with workspace_bytes 0 when msda_backward_workspace_size() says 0).
+ * Backward writes every gradient it is given in full (grad_value is zeroed first, on the stream).
  * Half-precision grad_value on CUDA: where the kernels are built for the device's architecture
  * and it is sm_90 or newer, the kernels add f32 partial sums into grad_value itself with
  * half-precision vector atomics (each sum rounded once as it is added: in the encoders' kernel
  * the sum of all of a block's corners on one value row, elsewhere one corner's); otherwise they
  * accumulate in an f32 buffer in `workspace` that is then converted (B*S*H*C*4 bytes, which
  * msda_backward_workspace_size() reports).
- * Refused with MSDA_ERR_INVALID_ARGUMENT: a size below its minimum (B, S, Q >= 0; H, C, L, P >= 1),
- * byte counts past INT64_MAX, a pointer not aligned to its element type, num_threads > 1024 on
- * the CPU, an unknown flag, a level_points table that is negative or does not sum to P, a
- * CUDA backward whose workspace is NULL or smaller than it needs, and on the CPU a
- * value tensor of 2^50 elements or more.
+ * Refused with MSDA_ERR_INVALID_ARGUMENT: a NULL msda_args, a nonzero `reserved`, a size below
+ * its minimum, byte counts past INT64_MAX, a NULL tensor pointer the call needs, a pointer not
+ * aligned to its element type, num_threads > 1024 on the CPU, an unknown flag, a level_points
+ * table that is negative or does not sum to P, a CUDA backward whose workspace is NULL or
+ * smaller than it needs, and on the CPU a value tensor of 2^50 elements or more.
  */
 #ifndef MSDA_H
 #define MSDA_H
@@ -97,7 +70,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 6
+#define MSDA_ABI_VERSION 7
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -147,40 +120,70 @@ MSDA_API const char *msda_status_string(int status);
 /* This thread's text for the most recent failure ("" when none). */
 MSDA_API const char *msda_last_error(void);
 
-/* ---- compute ------------------------------------------------------------------------------ */
+/* ---- the arguments of a call ------------------------------------------------------------------
+ * msda_forward (F), msda_backward (B), msda_backward_workspace_size (W) and msda_backward_route
+ * (R) each take one msda_args; each field says here, once, which of them read it. A call ignores
+ * the fields it does not read, so a caller may zero the struct and set only those.
+ * Tensors: contiguous row-major memory of element type `dtype` unless said otherwise; host
+ * memory on the CPU, device memory on CUDA (spatial_shapes and level_start_index included). A
+ * tensor pointer may be NULL only where the call reads or writes nothing through it: value when
+ * S = 0; all of a forward's when B * Q = 0; all of a backward's when it wants no gradient, B = 0
+ * or Q = S = 0, and with Q = 0 all but the two tables. A gradient is NULL when it is not wanted.
+ * Layout: fixed-width fields in this order with no padding (`reserved` fills the one gap): 192
+ * bytes, for targets with 64-bit pointers, the only ones the library is built for (c/msda.c
+ * asserts it). pymsda/_lib.py mirrors it as one struct format. */
+typedef struct {
+    /* F B W R. B batch, S value length (sum over levels of H_l*W_l), H heads, C channels per
+     * head, L levels, Q queries, P points per level (with level_points: points in all).
+     * B, S, Q >= 0; H, C, L, P >= 1. */
+    int64_t B, S, H, C, L, Q, P;
+    int32_t dtype;       /* F B W R: msda_dtype of every tensor but the two tables */
+    int32_t index_dtype; /* F B: msda_index_dtype of spatial_shapes and level_start_index */
+    /* F B W R: -1 runs on the CPU; >= 0 on that CUDA device (the library selects it for the
+     * launch and restores the caller's). R reads it only when it is not told the device. */
+    int32_t device;
+    int32_t num_threads; /* F B, on the CPU: OpenMP threads, <= 0 the OpenMP default, <= 1024 */
+    int32_t flags;       /* F B W R: a bitwise OR of msda_flags, 0 for the plain op */
+    int32_t reserved;    /* F B W R: 0 (the layout's one gap, made explicit) */
+    /* F B R. Per-level point counts (RT-DETRv2's num_points_list): NULL means every level has P
+     * points. Otherwise a host array of L counts (each >= 0, L <= MSDA_MAX_POINT_LEVELS) whose
+     * sum is P; sampling_locations is then (B, Q, H, P, 2) and attention_weights (B, Q, H, P),
+     * the points of level 0 first, then those of level 1, and so on. With every count equal to
+     * P / L the memory layout is the NULL case's. */
+    const int64_t *level_points;
+    const void *value;              /* F B: (B, S, H, C) */
+    const void *spatial_shapes;     /* F B: (L, 2) rows (H_l, W_l), of index_dtype */
+    const void *level_start_index;  /* F B: (L,) offset of level l in S, of index_dtype */
+    const void *sampling_locations; /* F B: (B, Q, H, L, P, 2), last dim (x, y) normalised to
+                                       [0, 1] */
+    const void *attention_weights;  /* F B: (B, Q, H, L, P) */
+    const void *grad_output;        /* B: (B, Q, H, C) */
+    void *output;                   /* F: (B, Q, H, C) (the caller views it as (B, Q, H*C)) */
+    /* B: (B, S, H, C) of dtype; on the CPU float32 for MSDA_F16 / MSDA_BF16 (the f32
+     * accumulation buffer; the caller casts) */
+    void *grad_value;
+    void *grad_sampling_locations;  /* B: like sampling_locations */
+    void *grad_attention_weights;   /* B: like attention_weights */
+    /* B: scratch device memory the caller allocates, workspace_bytes of it, at least what
+     * msda_backward_workspace_size() says (NULL with 0 bytes when that is 0) */
+    void *workspace;
+    int64_t workspace_bytes;
+    void *stream; /* F B, on CUDA: a cudaStream_t (NULL = the legacy default stream) */
+} msda_args;
 
-MSDA_API int msda_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
-                          int64_t P, int dtype, int index_dtype, int device, int num_threads,
-                          const int64_t *level_points, int flags, const void *value,
-                          const void *spatial_shapes, const void *level_start_index,
-                          const void *sampling_locations, const void *attention_weights,
-                          void *output, void *stream);
+/* ---- compute ------------------------------------------------------------------------------
+ * A NULL args is refused (MSDA_ERR_INVALID_ARGUMENT; -1 from the two queries). */
 
-MSDA_API int msda_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
-                           int64_t P, int dtype, int index_dtype, int device, int num_threads,
-                           const int64_t *level_points, int flags, const void *value,
-                           const void *spatial_shapes, const void *level_start_index,
-                           const void *sampling_locations, const void *attention_weights,
-                           const void *grad_output,
-                           void *grad_value, void *grad_sampling_locations,
-                           void *grad_attention_weights, void *workspace,
-                           int64_t workspace_bytes, void *stream);
-
-/* msda_forward and msda_backward with their arguments packed in one array of int64, in the
- * parameter order above (20 entries for the forward, 25 for the backward): int arguments
- * widened, a pointer as its address, NULL as 0. Same checks and results. For callers that pay
- * per argument: Python's ctypes converts 20 arguments in about 1.5 us, packs them with
- * struct.pack in about 0.3. An int entry outside the range of int is refused. */
-MSDA_API int msda_forward_packed(const int64_t *args);
-MSDA_API int msda_backward_packed(const int64_t *args);
+/* Writes output. */
+MSDA_API int msda_forward(const msda_args *args);
+/* Writes the gradients it is given (see Rules above). */
+MSDA_API int msda_backward(const msda_args *args);
 
 /* Bytes of device workspace msda_backward needs for these sizes, dtype, device and flags (0 when
  * it needs none: on the CPU, and on CUDA without MSDA_DETERMINISTIC unless a half-precision
  * grad_value is accumulated in f32 there, see above); -1 (with msda_last_error set) for
  * sizes msda_backward would refuse. */
-MSDA_API int64_t msda_backward_workspace_size(int64_t B, int64_t S, int64_t H, int64_t C,
-                                              int64_t L, int64_t Q, int64_t P, int dtype,
-                                              int device, int flags);
+MSDA_API int64_t msda_backward_workspace_size(const msda_args *args);
 
 /* ---- which CUDA backward kernel serves a problem -------------------------------------------
  * The CUDA backward chooses one route per call (c/routes.c) and launches it; this query says
@@ -207,11 +210,9 @@ typedef enum {
  * aligned16: 1 when value, grad_output and grad_value are 16-byte aligned (torch's allocations
  * are). The device: `multiprocessors` > 0 and `sm90_code` >= 0 state it (its multiprocessor
  * count; 1 when the kernels it runs are code for sm_90 or newer), so the choice can be asked
- * in any build; otherwise CUDA device `device` is asked. Returns the route (>= 0), or -1 with
- * msda_last_error set for arguments msda_backward would refuse. */
-MSDA_API int msda_backward_route(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L,
-                                 int64_t Q, int64_t P, int dtype, const int64_t *level_points,
-                                 int flags, int grads, int aligned16, int device,
+ * in any build; otherwise CUDA device args->device is asked. Returns the route (>= 0), or -1
+ * with msda_last_error set for arguments msda_backward would refuse. */
+MSDA_API int msda_backward_route(const msda_args *args, int grads, int aligned16,
                                  int multiprocessors, int sm90_code);
 
 /* level_start_index (L entries of index_dtype) derived from spatial_shapes where both tables

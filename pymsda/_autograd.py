@@ -1,11 +1,11 @@
 """The calls into the C library and the autograd node of the eager path.
 
 _forward and _backward allocate the outputs with torch (so the caching allocator and CUDA graphs
-serve them) and call libpymsda's packed entry points with the tensors' pointers and the current
-stream of their device. _MSDA is the one autograd.Function; _run picks the cheapest way in.
+serve them) and call libpymsda's entry points with the tensors' pointers and the current stream
+of their device, packed into one msda_args. _MSDA is the one autograd.Function; _run picks the
+cheapest way in.
 """
 import ctypes
-import struct
 
 import torch
 
@@ -26,19 +26,18 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _publi
 # ---------------------------------------------------------------------------------------------
 # calls into the C library
 
-# The packed entry points (c/msda.h): struct packs the arguments into a fresh bytes object (its
-# own per call, so threads never share one) in about a fifth of the time ctypes takes to convert
-# twenty separate arguments.
-_forward_packed, _backward_packed = lib.msda_forward_packed, lib.msda_backward_packed
-_pack_forward, _pack_backward = struct.Struct("20q").pack, struct.Struct("25q").pack
-
-
-def _msda_backward(*args):
-    """msda_backward's arguments in its order (level_points a ctypes array, None for NULL)."""
-    args = list(args)
-    if args[11] is not None:
-        args[11] = ctypes.addressof(args[11])
-    return _backward_packed(_pack_backward(*[0 if a is None else a for a in args]))
+# msda_forward and msda_backward take one msda_args (c/msda.h), packed here with struct into a
+# fresh bytes object per call in about a fifth of the time ctypes takes to convert twenty
+# separate arguments. Each call's packer takes only the fields it sets; the rest are zero.
+_forward_c, _backward_c = lib.msda_forward, lib.msda_backward
+_CALL = ("B", "S", "H", "C", "L", "Q", "P", "dtype", "index_dtype", "device", "num_threads",
+         "flags", "level_points", "value", "spatial_shapes", "level_start_index",
+         "sampling_locations", "attention_weights")
+_pack_forward = _lib.args_packer(*_CALL, "output", "stream")
+_pack_backward = _lib.args_packer(*_CALL, "grad_output", "grad_value", "grad_sampling_locations",
+                                  "grad_attention_weights", "workspace", "workspace_bytes",
+                                  "stream")
+_pack_sizes = _lib.args_packer("B", "S", "H", "C", "L", "Q", "P", "dtype", "device", "flags")
 
 
 def _device_args(t):
@@ -59,9 +58,9 @@ def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     else:
         device, stream, threads = -1, 0, torch.get_num_threads()
     shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
-    status = _forward_packed(_pack_forward(
+    status = _forward_c(_pack_forward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        0 if lp is None else ctypes.addressof(lp), flags, value.data_ptr(), shapes_ptr,
+        flags, 0 if lp is None else ctypes.addressof(lp), value.data_ptr(), shapes_ptr,
         starts_ptr, loc.data_ptr(), attn.data_ptr(), out.data_ptr(), stream))
     if status:
         _check(status)
@@ -88,20 +87,20 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
     if (need_value and device >= 0
             and (flags & _lib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
         workspace_bytes = lib.msda_backward_workspace_size(
-            B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags)
+            _pack_sizes(B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags))
         if workspace_bytes < 0:
             _check(_lib.ERR_INVALID_ARGUMENT)
         if workspace_bytes > 0:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
     shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
-    status = _msda_backward(
+    status = _backward_c(_pack_backward(
         B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
-        lp, flags, value.data_ptr(), shapes_ptr, starts_ptr,
-        loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
-        grad_value.data_ptr() if need_value else None,
-        grad_loc.data_ptr() if need_loc else None,
-        grad_attn.data_ptr() if need_attn else None,
-        workspace.data_ptr() if workspace is not None else None, workspace_bytes, stream)
+        flags, 0 if lp is None else ctypes.addressof(lp), value.data_ptr(), shapes_ptr,
+        starts_ptr, loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
+        grad_value.data_ptr() if need_value else 0,
+        grad_loc.data_ptr() if need_loc else 0,
+        grad_attn.data_ptr() if need_attn else 0,
+        workspace.data_ptr() if workspace is not None else 0, workspace_bytes, stream))
     if status:
         _check(status)
     if grad_value is not None and grad_value.dtype != value.dtype:

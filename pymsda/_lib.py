@@ -6,8 +6,9 @@ raises ImportError that names every path tried and why it was refused.
 """
 import ctypes
 import os
+import struct
 
-ABI_VERSION = 6  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 7  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)
@@ -27,8 +28,70 @@ ROUTE_KERNELS = {0: "none", 1: "generic", 2: "point", 3: "point_sliced", 4: "poi
                  5: "aggregated"}
 ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
 
+# msda_args (c/msda.h), the one argument of the compute entry points: its fields in order with
+# their struct codes. ARGS is its layout (fixed-width fields, no padding, 64-bit pointers: 192
+# bytes); the calls pass it packed into a bytes object, a fresh one per call, so concurrent
+# calls never share a buffer. A pointer is packed as a signed int64 ("q": user-space addresses
+# are below 2^63, and struct packs "q" faster than "Q").
+_PTR = "q"
+ARGS_FIELDS = (
+    ("B", "q"), ("S", "q"), ("H", "q"), ("C", "q"), ("L", "q"), ("Q", "q"), ("P", "q"),
+    ("dtype", "i"), ("index_dtype", "i"), ("device", "i"), ("num_threads", "i"), ("flags", "i"),
+    ("reserved", "i"),
+    ("level_points", _PTR), ("value", _PTR), ("spatial_shapes", _PTR),
+    ("level_start_index", _PTR), ("sampling_locations", _PTR), ("attention_weights", _PTR),
+    ("grad_output", _PTR), ("output", _PTR), ("grad_value", _PTR),
+    ("grad_sampling_locations", _PTR), ("grad_attention_weights", _PTR), ("workspace", _PTR),
+    ("workspace_bytes", "q"), ("stream", _PTR),
+)
+ARGS_NAMES = tuple(name for name, _ in ARGS_FIELDS)
+
+
+def _args_struct(names):
+    """struct.Struct of msda_args packing the fields `names`, the others as zero bytes (pad
+    bytes "x"); runs of one code merged ("7q", not "qqqqqqq": struct packs it faster)."""
+    runs = []
+    for name, code in ARGS_FIELDS:
+        count, code = (1, code) if name in names else (struct.calcsize(code), "x")
+        if runs and runs[-1][1] == code:
+            count += runs.pop()[0]
+        runs.append((count, code))
+    return struct.Struct("=" + "".join(f"{count}{code}" for count, code in runs))
+
+
+ARGS = _args_struct(ARGS_NAMES)
+
+
+def args_packer(*names):
+    """The pack function of a msda_args that takes only the fields `names`, in the struct's
+    order: the others are written as zero bytes. A hot path precompiles one, so a call packs
+    no constant zeros (seven more arguments cost a struct.pack about 0.1 us)."""
+    if list(names) != [n for n in ARGS_NAMES if n in names]:
+        raise ValueError(f"{names} are not fields of msda_args in its order {ARGS_NAMES}")
+    return _args_struct(names).pack
+
+
+def pack_args(**fields):
+    """A msda_args as bytes from fields by name (unnamed ones 0; a pointer as its address, None
+    for NULL, a ctypes array as its address: keep it alive over the call)."""
+    unknown = set(fields) - set(ARGS_NAMES)
+    if unknown:
+        raise TypeError(f"msda_args has no field {sorted(unknown)}")
+    values = []
+    for name in ARGS_NAMES:
+        v = fields.get(name)
+        values.append(0 if v is None else ctypes.addressof(v) if isinstance(v, ctypes.Array)
+                      else v)
+    return ARGS.pack(*values)
+
+
+def unpack_args(packed):
+    """The fields of a packed msda_args, by name."""
+    return dict(zip(ARGS_NAMES, ARGS.unpack(packed)))
+
+
 _i64, _int, _ptr, _str = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
-_SIZES = [_i64] * 7  # B, S, H, C, L, Q, P
+_args = _str  # const msda_args *: the packed bytes (None for NULL)
 
 # name: (restype, argtypes), each with its C signature.
 _SIGNATURES = {
@@ -46,33 +109,15 @@ _SIGNATURES = {
     "msda_status_string": (_str, [_int]),
     # const char *msda_last_error(void)
     "msda_last_error": (_str, []),
-    # int msda_forward(int64 B, S, H, C, L, Q, P, int dtype, int index_dtype, int device,
-    #                  int num_threads, const int64 *level_points, int flags,
-    #                  const void *value, const void *spatial_shapes,
-    #                  const void *level_start_index, const void *sampling_locations,
-    #                  const void *attention_weights, void *output, void *stream)
-    "msda_forward": (_int, _SIZES + [_int] * 4 + [_ptr, _int] + [_ptr] * 7),
-    # int msda_backward(int64 B, S, H, C, L, Q, P, int dtype, int index_dtype, int device,
-    #                   int num_threads, const int64 *level_points, int flags,
-    #                   const void *value, const void *spatial_shapes,
-    #                   const void *level_start_index, const void *sampling_locations,
-    #                   const void *attention_weights, const void *grad_output,
-    #                   void *grad_value, void *grad_sampling_locations,
-    #                   void *grad_attention_weights, void *workspace, int64 workspace_bytes,
-    #                   void *stream)
-    "msda_backward": (_int, _SIZES + [_int] * 4 + [_ptr, _int] + [_ptr] * 10 + [_i64, _ptr]),
-    # int msda_forward_packed(const int64 *args), int msda_backward_packed(const int64 *args):
-    # the arguments above packed as int64s (ops.py packs them with struct, a fresh bytes object
-    # per call, so concurrent calls never share a buffer)
-    "msda_forward_packed": (_int, [_str]),
-    "msda_backward_packed": (_int, [_str]),
-    # int64 msda_backward_workspace_size(int64 B, S, H, C, L, Q, P, int dtype, int device,
-    #                                    int flags)
-    "msda_backward_workspace_size": (_i64, _SIZES + [_int] * 3),
-    # int msda_backward_route(int64 B, S, H, C, L, Q, P, int dtype, const int64 *level_points,
-    #                         int flags, int grads, int aligned16, int device,
+    # int msda_forward(const msda_args *args)
+    "msda_forward": (_int, [_args]),
+    # int msda_backward(const msda_args *args)
+    "msda_backward": (_int, [_args]),
+    # int64 msda_backward_workspace_size(const msda_args *args)
+    "msda_backward_workspace_size": (_i64, [_args]),
+    # int msda_backward_route(const msda_args *args, int grads, int aligned16,
     #                         int multiprocessors, int sm90_code)
-    "msda_backward_route": (_int, _SIZES + [_int, _ptr] + [_int] * 6),
+    "msda_backward_route": (_int, [_args] + [_int] * 4),
     # int msda_level_starts(int64 L, int64 S, int index_dtype, int device,
     #                       const void *spatial_shapes, void *level_start_index, void *stream)
     "msda_level_starts": (_int, [_i64, _i64, _int, _int, _ptr, _ptr, _ptr]),
@@ -92,6 +137,9 @@ def candidate_paths():
 
 
 def _open(path):
+    if ctypes.sizeof(ctypes.c_void_p) != 8:
+        raise OSError("msda_args is laid out for 64-bit pointers; this Python's are "
+                      f"{8 * ctypes.sizeof(ctypes.c_void_p)}-bit")
     lib = ctypes.CDLL(path)
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)  # AttributeError names a missing symbol

@@ -59,10 +59,11 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
         index = torch.device(device if device is not None else "cuda").index
         index = torch.cuda.current_device() if index is None else index
         multiprocessors, sm90_code = 0, -1
-    route = _lib.lib.msda_backward_route(
-        B, S, H, C, L, Q, P, _DTYPE_CODE[dtype], level_points,
-        _flags(sampling, softmax, deterministic), sum(_GRAD_BITS[g] for g in set(grads)),
-        int(bool(aligned)), index, multiprocessors, sm90_code)
+    args = _lib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
+                          device=index, flags=_flags(sampling, softmax, deterministic),
+                          level_points=level_points)
+    route = _lib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
+                                         int(bool(aligned)), multiprocessors, sm90_code)
     if route < 0:
         raise ValueError("pymsda: " + _lib.lib.msda_last_error().decode())
     return Route(_lib.ROUTE_KERNELS[route & _lib.ROUTE_KERNEL_MASK],

@@ -166,12 +166,15 @@ def _run_kernels(inputs, grad_output):
     code = {torch.float32: _lib.DTYPE_F32, torch.float64: _lib.DTYPE_F64}[value.dtype]
     out = torch.empty(B, Q, H * C, dtype=value.dtype)
     grads = [torch.empty_like(value), torch.empty_like(loc), torch.empty_like(attn)]
-    common = (B, S, H, C, L, Q, P, code, _lib.INDEX_I64, device, threads, None, 0, value.data_ptr(),
-              shapes.data_ptr(), starts.data_ptr(), loc.data_ptr(), attn.data_ptr())
-    assert _lib.lib.msda_forward(*common, out.data_ptr(), stream) == _lib.OK
-    assert _lib.lib.msda_backward(*common, grad_output.contiguous().data_ptr(),
-                                  *(g.data_ptr() for g in grads), None, 0,
-                                  stream) == _lib.OK
+    common = dict(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=code, index_dtype=_lib.INDEX_I64,
+                  device=device, num_threads=threads, value=value.data_ptr(),
+                  spatial_shapes=shapes.data_ptr(), level_start_index=starts.data_ptr(),
+                  sampling_locations=loc.data_ptr(), attention_weights=attn.data_ptr(),
+                  stream=stream)
+    assert _lib.lib.msda_forward(_lib.pack_args(**common, output=out.data_ptr())) == _lib.OK
+    assert _lib.lib.msda_backward(_lib.pack_args(
+        **common, grad_output=grad_output.contiguous().data_ptr(),
+        **{f"grad_{name}": g.data_ptr() for name, g in zip(GRAD_NAMES, grads)})) == _lib.OK
     return [out] + grads
 
 

@@ -409,11 +409,13 @@ def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
     else:
         starts_t = torch.tensor(starts)
     grads = [torch.full(t.shape, float("nan")) for t in (value, loc, attn)]
-    args = (B, S, H, C, L, Q, P, _lib.DTYPE_F32, _lib.INDEX_I64, -1, 2, None, 0)
-    assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes_t.data_ptr(),
-                                  starts_t.data_ptr(), loc.data_ptr(), attn.data_ptr(),
-                                  grad_out.data_ptr(), *(g.data_ptr() for g in grads), None, 0,
-                                  None) == _lib.OK
+    args = _lib.pack_args(
+        B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64,
+        device=-1, num_threads=2, value=value.data_ptr(), spatial_shapes=shapes_t.data_ptr(),
+        level_start_index=starts_t.data_ptr(), sampling_locations=loc.data_ptr(),
+        attention_weights=attn.data_ptr(), grad_output=grad_out.data_ptr(),
+        **{f"grad_{name}": g.data_ptr() for name, g in zip(GRAD_NAMES, grads)})
+    assert _lib.lib.msda_backward(args) == _lib.OK
     for name, leaf, expected in zip(GRAD_NAMES, leaves, grads):
         assert rel_l2(leaf.grad, expected.double()) < 1e-5, name
 
@@ -475,7 +477,8 @@ for name, queries in (("aggregated", 60), ("per_point", 5)):
         expected = oracle_backward(inputs, grad_output)
         errors[f"{name}/{dtype}"] = [rel_l2(leaves[k].grad, e) for k, e in zip(GRAD_NAMES, expected)]
 code = _lib.DTYPE_BF16
-need = pymsda._lib.lib.msda_backward_workspace_size(2, 60, 2, 32, 2, 60, 2, code, 0, 0)
+need = _lib.lib.msda_backward_workspace_size(_lib.pack_args(
+    B=2, S=60, H=2, C=32, L=2, Q=60, P=2, dtype=code, device=0))
 print(json.dumps({"errors": errors, "workspace": need, "library": pymsda.library_path()}))
 """
 

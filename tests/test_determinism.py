@@ -35,13 +35,13 @@ def deterministic_algorithms():
 def backward_flags(monkeypatch):
     """The flags argument of every msda_backward call the op makes during the test."""
     seen = []
-    real = _autograd._msda_backward
+    real = _autograd._backward_c
 
-    def recording(*args):
-        seen.append(args[12])  # B, S, H, C, L, Q, P, dtype, index_dtype, device, threads, lp, flags
-        return real(*args)
+    def recording(args):
+        seen.append(_lib.unpack_args(args)["flags"])
+        return real(args)
 
-    monkeypatch.setattr(_autograd, "_msda_backward", recording)
+    monkeypatch.setattr(_autograd, "_backward_c", recording)
     return seen
 
 

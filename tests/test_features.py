@@ -407,12 +407,16 @@ def test_lying_shapes_stay_in_bounds_general_cpu_c_level(generator, index, table
     grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
     code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
     level_points = (ctypes.c_int64 * L)(*counts) if counts else None
-    args = (1, S, H, C, L, Q, points, _lib.DTYPE_F32, code, -1, 2, level_points, flags)
-    pointers = (value.data_ptr(), shapes.data_ptr(), starts.data_ptr(), locations.data_ptr(),
-                weights.data_ptr())
-    assert _lib.lib.msda_forward(*args, *pointers, out.data_ptr(), None) == _lib.OK
-    assert _lib.lib.msda_backward(*args, *pointers, torch.ones_like(out).data_ptr(),
-                                  *(g.data_ptr() for g in grads), None, 0, None) == _lib.OK
+    args = dict(B=1, S=S, H=H, C=C, L=L, Q=Q, P=points, dtype=_lib.DTYPE_F32, index_dtype=code,
+                device=-1, num_threads=2, level_points=level_points, flags=flags,
+                value=value.data_ptr(), spatial_shapes=shapes.data_ptr(),
+                level_start_index=starts.data_ptr(), sampling_locations=locations.data_ptr(),
+                attention_weights=weights.data_ptr())
+    assert _lib.lib.msda_forward(_lib.pack_args(**args, output=out.data_ptr())) == _lib.OK
+    assert _lib.lib.msda_backward(_lib.pack_args(
+        **args, grad_output=torch.ones_like(out).data_ptr(), grad_value=grads[0].data_ptr(),
+        grad_sampling_locations=grads[1].data_ptr(),
+        grad_attention_weights=grads[2].data_ptr())) == _lib.OK
     total_weight = 1.0 if flags & _lib.FLAG_SOFTMAX else weights.flatten(3).sum(-1)
     bound = total_weight * value.abs().max()
     assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()

@@ -301,42 +301,56 @@ def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, mon
     assert "Root-Is-Purelib: false" in tags and "Tag: py3-none-" in tags
 
 
-def test_packed_entry_points_match_the_plain_ones():
-    """msda_forward_packed / msda_backward_packed (the path ops.py takes) give the bits of
-    msda_forward / msda_backward on the same arguments, and refuse NULL and int entries that do
-    not fit an int, naming the entry."""
-    import struct
+def test_args_struct_mirrors_the_header():
+    """pymsda/_lib.py's msda_args (ARGS) has the header's fields, in its order and of its types,
+    and the header's size; the hot paths' packers (the fields they set, zeros elsewhere) write
+    the bytes ARGS writes."""
+    from pymsda import _autograd, _lib
+    header = (REPO / "c" / "msda.h").read_text()
+    body = re.search(r"typedef struct \{(.*?)\} msda_args;", header, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    codes = {"int64_t": "q", "int32_t": "i"}
+    fields = []
+    for declaration in body.split(";")[:-1]:
+        kind, names = re.match(r"\s*(?:const\s+)?(\w+)\s*(.*)", declaration, re.S).groups()
+        for name in names.split(","):
+            pointer = name.strip().startswith("*")
+            fields.append((name.strip(" *\n"), _lib._PTR if pointer else codes[kind]))
+    assert tuple(fields) == _lib.ARGS_FIELDS
+    size = int(re.search(r"no padding .*?: (\d+)\s*\*?\s*bytes", header, re.S).group(1))
+    assert _lib.ARGS.size == size == 192
+
+    values = {name: 1000 + i for i, name in enumerate(_lib.ARGS_NAMES)}
+    values["reserved"] = 0
+    for packer, names in [
+            (_autograd._pack_forward, _autograd._CALL + ("output", "stream")),
+            (_autograd._pack_backward, _autograd._CALL + (
+                "grad_output", "grad_value", "grad_sampling_locations", "grad_attention_weights",
+                "workspace", "workspace_bytes", "stream")),
+            (_autograd._pack_sizes, ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device",
+                                     "flags"))]:
+        assert packer(*(values[n] for n in names)) == _lib.pack_args(
+            **{n: values[n] for n in names})
+    with pytest.raises(ValueError, match="order"):
+        _lib.args_packer("S", "B")
+
+
+def test_null_args_and_a_nonzero_reserved_field_are_refused():
+    """Every entry point that takes a msda_args refuses NULL (a status, or -1 from the two
+    queries) and a nonzero reserved field, naming itself and the cause."""
     from pymsda import _lib
     lib = _lib.lib
-    g = torch.Generator().manual_seed(5)
-    B, S, H, C, L, Q, P = 2, 20, 2, 8, 2, 7, 3
-    shapes = torch.tensor([[4, 4], [2, 2]])
-    starts = torch.tensor([0, 16])
-    value = torch.randn(B, S, H, C, generator=g)
-    loc = torch.rand(B, Q, H, L, P, 2, generator=g) * 1.2 - 0.1
-    attn = torch.rand(B, Q, H, L, P, generator=g)
-    grad_out = torch.randn(B, Q, H * C, generator=g)
-    head = (B, S, H, C, L, Q, P, _lib.DTYPE_F32, _lib.INDEX_I64, -1, 1)
-    inputs = (value.data_ptr(), shapes.data_ptr(), starts.data_ptr(), loc.data_ptr(),
-              attn.data_ptr())
-    outs = [torch.full((B, Q, H * C), float("nan")) for _ in range(2)]
-    assert lib.msda_forward(*head, None, 0, *inputs, outs[0].data_ptr(), None) == _lib.OK
-    packed = struct.pack("20q", *head, 0, 0, *inputs, outs[1].data_ptr(), 0)
-    assert lib.msda_forward_packed(packed) == _lib.OK
-    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
-
-    grads = [[torch.full(t.shape, float("nan")) for t in (value, loc, attn)] for _ in range(2)]
-    assert lib.msda_backward(*head, None, 0, *inputs, grad_out.data_ptr(),
-                             *(t.data_ptr() for t in grads[0]), None, 0, None) == _lib.OK
-    packed = struct.pack("25q", *head, 0, 0, *inputs, grad_out.data_ptr(),
-                         *(t.data_ptr() for t in grads[1]), 0, 0, 0)
-    assert lib.msda_backward_packed(packed) == _lib.OK
-    for a, b in zip(*grads):
-        assert torch.equal(a, b) and torch.isfinite(a).all()
-
-    assert lib.msda_forward_packed(None) == _lib.ERR_INVALID_ARGUMENT
-    assert b"NULL" in lib.msda_last_error()
-    bad = struct.pack("20q", *head[:9], 2 ** 40, *head[10:], 0, 0, *inputs,
-                      outs[1].data_ptr(), 0)
-    assert lib.msda_forward_packed(bad) == _lib.ERR_INVALID_ARGUMENT
-    assert b"entry 9" in lib.msda_last_error()
+    calls = {"msda_forward": lib.msda_forward, "msda_backward": lib.msda_backward,
+             "msda_backward_workspace_size": lib.msda_backward_workspace_size,
+             "msda_backward_route": lambda args: lib.msda_backward_route(args, 7, 1, 132, 1)}
+    refused = {"msda_forward": _lib.ERR_INVALID_ARGUMENT,
+               "msda_backward": _lib.ERR_INVALID_ARGUMENT,
+               "msda_backward_workspace_size": -1, "msda_backward_route": -1}
+    sizes = dict(B=1, S=4, H=1, C=4, L=1, Q=1, P=1, dtype=_lib.DTYPE_F32, device=-1)
+    for name, call in calls.items():
+        assert call(None) == refused[name]
+        assert lib.msda_last_error().decode() == f"{name}: args is NULL"
+        assert call(_lib.pack_args(**sizes, reserved=3)) == refused[name]
+        assert lib.msda_last_error().decode() == f"{name}: reserved = 3 must be 0"
+    assert lib.msda_backward_workspace_size(_lib.pack_args(**sizes)) == 0
+    assert lib.msda_last_error() == b""

@@ -226,8 +226,11 @@ def _call_forward(sizes, dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64, num_t
     buffer = torch.zeros(64, dtype=torch.float64)
     p = buffer.data_ptr()
     ptrs = pointers or [p] * 6
-    status = _lib.lib.msda_forward(*sizes, dtype, index_dtype, -1, num_threads, None, 0, *ptrs,
-                                   None)
+    names = ("value", "spatial_shapes", "level_start_index", "sampling_locations",
+             "attention_weights", "output")
+    status = _lib.lib.msda_forward(_lib.pack_args(
+        **dict(zip("BSHCLQP", sizes)), dtype=dtype, index_dtype=index_dtype, device=-1,
+        num_threads=num_threads, **dict(zip(names, ptrs))))
     return status, _lib.lib.msda_last_error().decode()
 
 
@@ -554,14 +557,15 @@ def test_lying_shapes_stay_in_bounds_cpu_c_level(generator, index, table, derive
     weights = torch.rand(1, 40, H, L, P, generator=generator)
     out = torch.full((1, 40, H, C), float("nan"))
     grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
-    args = (1, S, H, C, L, 40, P, _lib.DTYPE_F32, code, -1, 2, None, 0)
-    assert _lib.lib.msda_forward(*args, value.data_ptr(), shapes.data_ptr(), starts_ptr,
-                                 locations.data_ptr(), weights.data_ptr(), out.data_ptr(),
-                                 None) == _lib.OK
-    assert _lib.lib.msda_backward(*args, value.data_ptr(), shapes.data_ptr(), starts_ptr,
-                                  locations.data_ptr(), weights.data_ptr(),
-                                  torch.ones_like(out).data_ptr(),
-                                  *(g.data_ptr() for g in grads), None, 0, None) == _lib.OK
+    args = dict(B=1, S=S, H=H, C=C, L=L, Q=40, P=P, dtype=_lib.DTYPE_F32, index_dtype=code,
+                device=-1, num_threads=2, value=value.data_ptr(),
+                spatial_shapes=shapes.data_ptr(), level_start_index=starts_ptr,
+                sampling_locations=locations.data_ptr(), attention_weights=weights.data_ptr())
+    assert _lib.lib.msda_forward(_lib.pack_args(**args, output=out.data_ptr())) == _lib.OK
+    assert _lib.lib.msda_backward(_lib.pack_args(
+        **args, grad_output=torch.ones_like(out).data_ptr(), grad_value=grads[0].data_ptr(),
+        grad_sampling_locations=grads[1].data_ptr(),
+        grad_attention_weights=grads[2].data_ptr())) == _lib.OK
     bound = weights.abs().sum((-1, -2)) * value.abs().max()
     assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()
     for grad in grads:

@@ -76,8 +76,10 @@ def test_two_threads_give_the_serial_results_cpu(generator, dtype):
 def _fail(lib, channels, dtype_code):
     buffer = torch.zeros(16, dtype=torch.float64)
     p = buffer.data_ptr()
-    return lib.msda_forward(1, 4, 1, channels, 1, 1, 1, dtype_code, _lib.INDEX_I64, -1, 1,
-                            None, 0, p, p, p, p, p, p, None)
+    return lib.msda_forward(_lib.pack_args(
+        B=1, S=4, H=1, C=channels, L=1, Q=1, P=1, dtype=dtype_code, index_dtype=_lib.INDEX_I64,
+        device=-1, num_threads=1, value=p, spatial_shapes=p, level_start_index=p,
+        sampling_locations=p, attention_weights=p, output=p))
 
 
 def test_last_error_text_is_per_thread():

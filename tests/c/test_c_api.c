@@ -1,7 +1,7 @@
 /* tests/c/test_c_api.c: C-level tests of libpymsda, without Python or torch.
  * - capability queries and status strings;
- * - argument checks return MSDA_ERR_INVALID_ARGUMENT with a text naming the argument, and the
- *   text is per thread;
+ * - argument checks return MSDA_ERR_INVALID_ARGUMENT with a text naming the argument (a NULL
+ *   msda_args included), and the text is per thread;
  * - the half/bfloat16 conversions (c/half.h): every binary16 value round-trips, and float ->
  *   half/bf16 rounds to the nearest representable value, ties to even;
  * - a small CPU forward and backward against a direct double computation written here;
@@ -47,12 +47,42 @@ static void test_capabilities(void) {
     CHECK(strcmp(msda_status_string(12345), "unknown status") == 0, "unknown status string");
 }
 
+/* The msda_args of a call on these sizes, codes and inputs (one thread, no options); the
+ * caller sets the outputs. */
+static msda_args make_args(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                           int64_t P, int dtype, int index_dtype, int device, const void *value,
+                           const void *shapes, const void *starts, const void *loc,
+                           const void *attn) {
+    msda_args a = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P, .dtype = dtype,
+                   .index_dtype = index_dtype, .device = device, .num_threads = 1,
+                   .value = value, .spatial_shapes = shapes, .level_start_index = starts,
+                   .sampling_locations = loc, .attention_weights = attn};
+    return a;
+}
+
 static int call_forward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
                         int64_t P, int dtype, int index_dtype, int device, const void *value,
                         const void *shapes, const void *starts, const void *loc,
                         const void *attn, void *out) {
-    return msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, 1, NULL, 0, value,
-                        shapes, starts, loc, attn, out, NULL);
+    msda_args a = make_args(B, S, H, C, L, Q, P, dtype, index_dtype, device, value, shapes,
+                            starts, loc, attn);
+    a.output = out;
+    return msda_forward(&a);
+}
+
+/* A CPU backward on num_threads threads, no workspace. */
+static int call_backward(int64_t B, int64_t S, int64_t H, int64_t C, int64_t L, int64_t Q,
+                         int64_t P, int dtype, int num_threads, const void *value,
+                         const void *shapes, const void *starts, const void *loc,
+                         const void *attn, const void *gout, void *gv, void *gloc, void *gattn) {
+    msda_args a = make_args(B, S, H, C, L, Q, P, dtype, MSDA_I64, -1, value, shapes, starts, loc,
+                            attn);
+    a.num_threads = num_threads;
+    a.grad_output = gout;
+    a.grad_value = gv;
+    a.grad_sampling_locations = gloc;
+    a.grad_attention_weights = gattn;
+    return msda_backward(&a);
 }
 
 static void test_argument_checks(void) {
@@ -90,6 +120,35 @@ static void test_argument_checks(void) {
                       buf);
     CHECK(st == MSDA_OK && msda_last_error()[0] == '\0', "valid call: %d %s", st,
           msda_last_error());
+}
+
+static void test_null_args_refused(void) {
+    /* Every entry point taking a msda_args refuses NULL, naming itself; a nonzero reserved field
+     * is refused too. */
+    CHECK(msda_forward(NULL) == MSDA_ERR_INVALID_ARGUMENT &&
+              strcmp(msda_last_error(), "msda_forward: args is NULL") == 0,
+          "forward NULL: %s", msda_last_error());
+    CHECK(msda_backward(NULL) == MSDA_ERR_INVALID_ARGUMENT &&
+              strcmp(msda_last_error(), "msda_backward: args is NULL") == 0,
+          "backward NULL: %s", msda_last_error());
+    CHECK(msda_backward_workspace_size(NULL) == -1 &&
+              strcmp(msda_last_error(), "msda_backward_workspace_size: args is NULL") == 0,
+          "workspace size NULL: %s", msda_last_error());
+    CHECK(msda_backward_route(NULL, 7, 1, 132, 1) == -1 &&
+              strcmp(msda_last_error(), "msda_backward_route: args is NULL") == 0,
+          "route NULL: %s", msda_last_error());
+    float buf[8] = {0};
+    int64_t shapes[2] = {2, 2}, starts[1] = {0};
+    msda_args a = make_args(1, 4, 1, 1, 1, 1, 1, MSDA_F32, MSDA_I64, -1, buf, shapes, starts, buf,
+                            buf);
+    a.output = buf;
+    a.reserved = 1;
+    CHECK(msda_forward(&a) == MSDA_ERR_INVALID_ARGUMENT && strstr(msda_last_error(), "reserved"),
+          "reserved 1: %s", msda_last_error());
+    a.reserved = 0;
+    CHECK(msda_forward(&a) == MSDA_OK && msda_backward_workspace_size(&a) == 0 &&
+              msda_last_error()[0] == '\0',
+          "valid args after a refusal: %s", msda_last_error());
 }
 
 static void *thread_fails(void *arg) {
@@ -212,8 +271,8 @@ static void test_cpu_forward_backward(void) {
 
     /* Backward: compare the location gradient with central differences of the forward, and
      * the weight gradient with its definition (the sample), on a few entries. */
-    st = msda_backward(B, S, H, C, L, Q, P, MSDA_F64, MSDA_I64, -1, 2, NULL, 0, v, shapes, starts,
-                       loc, attn, gout, gv, gloc, gattn, NULL, 0, NULL);
+    st = call_backward(B, S, H, C, L, Q, P, MSDA_F64, 2, v, shapes, starts, loc, attn, gout, gv,
+                       gloc, gattn);
     CHECK(st == MSDA_OK, "backward: %s", msda_last_error());
     double worst = 0;
     for (int i = 0; i < 12; i++) {
@@ -256,8 +315,8 @@ static void test_lying_shapes_stay_in_bounds(void) {
     int finite = 1;
     for (int i = 0; i < Q; i++) finite &= isfinite(out[i]) && out[i] >= 0 && out[i] <= L * P;
     CHECK(st == MSDA_OK && finite, "lying shapes forward: %d %s", st, msda_last_error());
-    st = msda_backward(1, S, 1, 1, L, Q, P, MSDA_F32, MSDA_I64, -1, 1, NULL, 0, v, shapes, starts,
-                       loc, attn, gout, gv, gloc, gattn, NULL, 0, NULL);
+    st = call_backward(1, S, 1, 1, L, Q, P, MSDA_F32, 1, v, shapes, starts, loc, attn, gout, gv,
+                       gloc, gattn);
     CHECK(st == MSDA_OK, "lying shapes backward: %d %s", st, msda_last_error());
     free(v), free(loc), free(attn), free(out), free(gout), free(gv), free(gloc), free(gattn);
 }
@@ -302,6 +361,7 @@ static void test_level_starts(void) {
 int main(void) {
     test_capabilities();
     test_argument_checks();
+    test_null_args_refused();
     test_error_text_is_per_thread();
     test_half_conversions();
     test_cpu_forward_backward();

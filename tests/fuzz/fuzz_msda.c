@@ -157,11 +157,14 @@ static int fuzz_extreme(reader *r) {
         codes_valid(dtype, index_dtype, -1, 1))
         return 0; /* would need buffers of the claimed (huge) sizes */
     double buf[16] = {0};
-    int st = backward ? msda_backward(s[0], s[1], s[2], s[3], s[4], s[5], s[6], dtype,
-                                      index_dtype, -1, 1, NULL, 0, buf, buf, buf, buf, buf, buf,
-                                      buf, buf, buf, NULL, 0, NULL)
-                      : msda_forward(s[0], s[1], s[2], s[3], s[4], s[5], s[6], dtype, index_dtype,
-                                     -1, 1, NULL, 0, buf, buf, buf, buf, buf, buf, NULL);
+    const msda_args a = {.B = s[0], .S = s[1], .H = s[2], .C = s[3], .L = s[4], .Q = s[5],
+                         .P = s[6], .dtype = dtype, .index_dtype = index_dtype, .device = -1,
+                         .num_threads = 1, .value = buf, .spatial_shapes = buf,
+                         .level_start_index = buf, .sampling_locations = buf,
+                         .attention_weights = buf, .grad_output = buf, .output = buf,
+                         .grad_value = buf, .grad_sampling_locations = buf,
+                         .grad_attention_weights = buf};
+    int st = backward ? msda_backward(&a) : msda_forward(&a);
     check_status(st, 0);
     return 0;
 }
@@ -304,14 +307,19 @@ static int fuzz_small(reader *r, int mode) {
                 : !(B == 0 || Q == 0) && used && (victim != 0 || S > 0);
         if (needed) expect_ok = 0;
     }
-    int st;
-    if (run_backward)
-        st = msda_backward(B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads, NULL, 0,
-                           args[0], args[1], args[2], args[3], args[4], args[5], (void *)args[7],
-                           (void *)args[8], (void *)args[9], NULL, 0, NULL);
-    else
-        st = msda_forward(B, S, H, C, L, Q, P, dtype, index_dtype, device, num_threads, NULL, 0,
-                          args[0], args[1], args[2], args[3], args[4], (void *)args[6], NULL);
+    msda_args call = {.B = B, .S = S, .H = H, .C = C, .L = L, .Q = Q, .P = P, .dtype = dtype,
+                      .index_dtype = index_dtype, .device = device, .num_threads = num_threads,
+                      .value = args[0], .spatial_shapes = args[1], .level_start_index = args[2],
+                      .sampling_locations = args[3], .attention_weights = args[4]};
+    if (run_backward) {
+        call.grad_output = args[5];
+        call.grad_value = (void *)args[7];
+        call.grad_sampling_locations = (void *)args[8];
+        call.grad_attention_weights = (void *)args[9];
+    } else {
+        call.output = (void *)args[6];
+    }
+    const int st = run_backward ? msda_backward(&call) : msda_forward(&call);
     check_status(st, expect_ok);
 
     if (st == MSDA_OK && !run_backward && finite_weights && !sabotaged) {
