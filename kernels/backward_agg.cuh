@@ -86,7 +86,109 @@ template <int G> struct StageAgg {
     static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
 };
 
-/* Aggregated backward (not MSDA_DETERMINISTIC, G >= 4; chosen by aggregates()). A block holds
+/* A walker's sums over one row segment (step 3 of msda_backward_agg): load() reads the lane's
+ * 8 value channels of the row (zeros where !on), step() adds slot `il`'s item with coefficient
+ * cf and returns the lane's part of grad_output . row, flush() adds the sums to grad_value.
+ * RowSums: lane `part` owns channels part * 8 .. + 7 in two 4-channel halves, summed in f32
+ * apart and then added, so the point gradients have the same bits whichever half a walker
+ * takes first (odd walkers take them in the other order, so that the two walkers of a quarter
+ * warp read s_go from different banks; which walker gets a row varies from run to run); one
+ * 16-byte atomic per half, or one half-precision vector reduction. s_go is indexed as float4s
+ * of the shared array itself (a generic pointer into it had the compiler recompute shared
+ * addresses in every step of the walk). */
+template <typename T, int G> struct RowSums {
+    int odd, h0, h1, q0, q1;
+    float v[8], a0[4], a1[4];
+    __device__ __forceinline__ RowSums(int walker, int part, long long *, float)
+        : odd(walker & 1), h0(part * 8 + (walker & 1) * 4), h1(part * 8 + 4 - (walker & 1) * 4),
+          q0(h0 >> 2), q1(h1 >> 2) {}
+    __device__ __forceinline__ void load(const msda_problem &pr, int key, bool on) {
+        if (on) {
+            float u[8];
+            load_vec8((const T *)pr.value + (unsigned)key + (h0 & ~7), u);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                v[q] = odd ? u[q + 4] : u[q];
+                v[q + 4] = odd ? u[q] : u[q + 4];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) a0[q] = a1[q] = 0.f;
+    }
+    template <int N>
+    __device__ __forceinline__ float step(const float4 (&s_go)[N], int il, float cf, bool gv,
+                                          bool dots) {
+        const float4 g0 = s_go[il * G + q0];
+        const float4 g1 = s_go[il * G + q1];
+        if (gv) {
+            a0[0] += cf * g0.x, a0[1] += cf * g0.y, a0[2] += cf * g0.z, a0[3] += cf * g0.w;
+            a1[0] += cf * g1.x, a1[1] += cf * g1.y, a1[2] += cf * g1.z, a1[3] += cf * g1.w;
+        }
+        if (!dots) return 0.f;
+        const float d0 = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] + g0.w * v[3];
+        const float d1 = g1.x * v[4] + g1.y * v[5] + g1.z * v[6] + g1.w * v[7];
+        return d0 + d1;
+    }
+    __device__ __forceinline__ void flush(const msda_problem &pr, int key) {
+        if constexpr (NativeHalf<T, false>::value) {
+            float a8[8]; /* the lane's 8 channels in order: odd walkers hold them swapped */
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                a8[q] = odd ? a1[q] : a0[q];
+                a8[q + 4] = odd ? a0[q] : a1[q];
+            }
+            red_half<T, 8>((T *)pr.grad_value + (unsigned)key + (h0 & ~7), a8);
+        } else {
+            atomic_add_vec<4>((float *)pr.grad_value + (unsigned)key + h0, a0);
+            atomic_add_vec<4>((float *)pr.grad_value + (unsigned)key + h1, a1);
+        }
+    }
+};
+
+/* DetRowSums (MSDA_DETERMINISTIC): lane `part` owns channels part + WG * q, so each of its 8
+ * integer atomics covers WG consecutive words (whole sectors). Each contribution is rounded to
+ * the fixed point on its own, as msda_backward_fast rounds them, so the integer sum is exact
+ * and grad_value has the same bits as there. */
+template <typename T, int G> struct DetRowSums {
+    static constexpr int WG = G / 2;
+    long long *acc_row;
+    float scale;
+    int part;
+    float v[8];
+    long long acc[8];
+    __device__ __forceinline__ DetRowSums(int, int part_, long long *det_acc, float scale_)
+        : acc_row(det_acc), scale(scale_), part(part_) {}
+    __device__ __forceinline__ void load(const msda_problem &pr, int key, bool on) {
+        const T *value = (const T *)pr.value;
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            v[q] = on ? to_acc(value[key + part + WG * q]) : 0.f;
+            acc[q] = 0;
+        }
+    }
+    template <int N>
+    __device__ __forceinline__ float step(const float4 (&s_go)[N], int il, float cf, bool gv,
+                                          bool) {
+        const float *gi = reinterpret_cast<const float *>(s_go) + il * (4 * G) + part;
+        float d = 0.f;
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const float gq = gi[WG * q];
+            if (gv) acc[q] += llrintf(cf * gq * scale);
+            d += gq * v[q];
+        }
+        return d;
+    }
+    __device__ __forceinline__ void flush(const msda_problem &, int key) {
+#pragma unroll
+        for (int q = 0; q < 8; q++)
+            if (acc[q] != 0)
+                atomicAdd((unsigned long long *)(acc_row + key + part + WG * q),
+                          (unsigned long long)acc[q]);
+    }
+};
+
+/* Aggregated backward (G >= 4; c/routes.c chooses it where Q * NP >= 2 * S). A block holds
  * 2 * 256 / G neighbouring queries of one head (head-major items; an encoder's in a tile of
  * pixels, fill_items), whose points land on many of the same pixels: on realistic ddetr_enc
  * inputs the 64 x 4 x 4 corners of a chunk hit ~7x fewer distinct value rows. Per staged chunk:
@@ -296,40 +398,30 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 if (e < nent) s_ent[s_bucket[bucket[r]] + rank[r]] = (short)entry[r];
             }
             __syncthreads();
-            if constexpr (DET) { /* as below, with fixed-point sums */
+            { /* walk: one walker of WG lanes per entry; all the loops below run the same trip
+               * count in every lane of a warp (full-warp votes), so the group sums shuffle
+               * with the full mask */
                 constexpr int WG = G / 2, WPB = 256 / WG;
                 const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
-                /* lane `part` owns channels part + WG * q: each of the 8 integer atomics of a
-                 * walker covers WG consecutive words (whole sectors) */
-                const float *s_gof = reinterpret_cast<const float *>(s_go);
-                const T *value = (const T *)pr.value;
+                typename std::conditional<DET, DetRowSums<T, G>, RowSums<T, G>>::type sums(
+                    walker, part, det_acc, scale);
+                /* FULL: compile-time true (so the walk tests no pointer) */
+                const bool want_gv = DET ? det_acc != nullptr : FULL || pr.grad_value;
+                if (!DET && want_gv)
+                    grid_dep_wait(); /* zero_kernel done (at once after the first) */
                 for (int e0 = 0; e0 < nent; e0 += WPB) {
                     int key, j;
                     int2 m;
                     round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
                                          key, j, m);
                     const bool active = j >= 0;
-                    float v[8];
-                    long long acc[8];
-#pragma unroll
-                    for (int q = 0; q < 8; q++) {
-                        v[q] = point_grads && j >= 0 ? to_acc(value[key + part + WG * q]) : 0.f;
-                        acc[q] = 0;
-                    }
+                    sums.load(pr, key, point_grads && j >= 0);
                     while (__any_sync(0xffffffffu, j >= 0)) {
                         float d = 0.f;
                         int next = -1;
                         if (j >= 0) {
-                            const float *gi = s_gof + (j / (St::K * 4)) * C + part;
-                            const float cf = __int_as_float(m.x);
-#pragma unroll
-                            for (int q = 0; q < 8; q++) {
-                                const float gq = gi[WG * q];
-                                /* each contribution rounded to the fixed point on its own, as
-                                 * msda_backward_fast rounds them: the integer sum is exact */
-                                if (det_acc) acc[q] += llrintf(cf * gq * scale);
-                                d += gq * v[q];
-                            }
+                            d = sums.step(s_go, j / (St::K * 4), __int_as_float(m.x), want_gv,
+                                          point_grads);
                             next = next_slot_of(s_meta, m);
                         }
                         if (point_grads) {
@@ -338,95 +430,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                         }
                         j = next;
                     }
-                    if (det_acc && active) {
-#pragma unroll
-                        for (int q = 0; q < 8; q++)
-                            if (acc[q] != 0)
-                                atomicAdd((unsigned long long *)(det_acc + key + part + WG * q),
-                                          (unsigned long long)acc[q]);
-                    }
-                }
-            } else { /* walkers of WG lanes, 8 channels a lane: one walker per distinct row; all
-               * the loops below run the same trip count in every lane of a warp (full-warp
-               * votes), so the group sums shuffle with the full mask */
-                constexpr int WG = G / 2, WPB = 256 / WG;
-                const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
-                /* odd walkers take their lane's two 4-channel halves in the other order, so the
-                 * two walkers of a quarter warp read s_go from different banks */
-                const int h0 = part * 8 + (walker & 1) * 4, h1 = part * 8 + 4 - (walker & 1) * 4;
-                const T *vrow = (const T *)pr.value + part * 8;
-                float *gv_row = (float *)pr.grad_value;
-                const bool want_gv = FULL || gv_row; /* compile-time true with FULL */
-                /* s_go indexed as float4s of the shared array itself (a generic pointer into it
-                 * had the compiler recompute shared addresses in every step of the walk) */
-                const int q0 = h0 >> 2, q1 = h1 >> 2;
-                if (want_gv) grid_dep_wait(); /* zero_kernel done (at once after the first) */
-                for (int e0 = 0; e0 < nent; e0 += WPB) {
-                    int key, j;
-                    int2 m;
-                    round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
-                                         key, j, m);
-                    const bool active = j >= 0;
-                    float v[8], a0[4], a1[4];
-                    if (point_grads && j >= 0) {
-                        float u[8];
-                        load_vec8(vrow + (unsigned)key, u);
-#pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                            v[q] = (walker & 1) ? u[q + 4] : u[q];
-                            v[q + 4] = (walker & 1) ? u[q] : u[q + 4];
-                        }
-                    }
-#pragma unroll
-                    for (int q = 0; q < 4; q++) a0[q] = a1[q] = 0.f;
-                    while (__any_sync(0xffffffffu, j >= 0)) {
-                        float d = 0.f;
-                        int next = -1;
-                        if (j >= 0) {
-                            const int il = j / (St::K * 4);
-                            const float4 g0 = s_go[il * G + q0];
-                            const float4 g1 = s_go[il * G + q1];
-                            if (want_gv) {
-                                const float cf = __int_as_float(m.x);
-                                a0[0] += cf * g0.x, a0[1] += cf * g0.y;
-                                a0[2] += cf * g0.z, a0[3] += cf * g0.w;
-                                a1[0] += cf * g1.x, a1[1] += cf * g1.y;
-                                a1[2] += cf * g1.z, a1[3] += cf * g1.w;
-                            }
-                            /* the two 4-channel halves summed apart, then added: the same
-                             * bits whichever half a walker takes first (odd and even walkers
-                             * differ), so the point gradients do not depend on the order of
-                             * the walk (which walker gets a row varies from run to run) */
-                            if (point_grads) {
-                                const float d0 = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] +
-                                                 g0.w * v[3];
-                                const float d1 = g1.x * v[4] + g1.y * v[5] + g1.z * v[6] +
-                                                 g1.w * v[7];
-                                d = d0 + d1;
-                            }
-                            next = next_slot_of(s_meta, m);
-                        }
-                        if (point_grads) {
-                            d = group_sum<WG>(d);
-                            if (j >= 0 && part == 0) s_dot[j] = d;
-                        }
-                        j = next;
-                    }
-                    if (want_gv && active) {
-                        if constexpr (NativeHalf<T, DET>::value) {
-                            /* the lane's 8 channels in order: odd walkers hold them swapped */
-                            float a8[8];
-#pragma unroll
-                            for (int q = 0; q < 4; q++) {
-                                a8[q] = (walker & 1) ? a1[q] : a0[q];
-                                a8[q + 4] = (walker & 1) ? a0[q] : a1[q];
-                            }
-                            red_half<T, 8>((T *)pr.grad_value + (unsigned)key + part * 8, a8);
-                        } else {
-                            atomic_add_vec<4>(gv_row + (unsigned)key + h0, a0);
-                            atomic_add_vec<4>(gv_row + (unsigned)key + h1, a1);
-                        }
-                    }
+                    if (want_gv && active) sums.flush(pr, key);
                 }
             }
             __syncthreads();
