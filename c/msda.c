@@ -249,13 +249,20 @@ static int read_args(const char *fn, const msda_args *args, int whole, msda_prob
 // ---------------------------------------------------------------------------------------------
 // entry points
 
+/* A compute call's problem from its arguments, every check done (the error text names the
+ * argument that failed). */
+static int read_checked(const char *fn, const msda_args *args, msda_problem *pr) {
+    last_error[0] = '\0';
+    int st = read_args(fn, args, 1, pr);
+    if (st == MSDA_OK) st = check_problem(fn, pr, args->level_points);
+    if (st == MSDA_OK) st = check_alignment(fn, pr);
+    return st;
+}
+
 int msda_forward(const msda_args *args) {
     static const char fn[] = "msda_forward";
-    last_error[0] = '\0';
     msda_problem pr;
-    int st = read_args(fn, args, 1, &pr);
-    if (st == MSDA_OK) st = check_problem(fn, &pr, args->level_points);
-    if (st == MSDA_OK) st = check_alignment(fn, &pr);
+    const int st = read_checked(fn, args, &pr);
     if (st != MSDA_OK) return st;
     if (pr.B == 0 || pr.Q == 0) return MSDA_OK; /* nothing to write */
     REQUIRE_FIELD(fn, pr, output);
@@ -280,11 +287,8 @@ int64_t msda_backward_workspace_size(const msda_args *args) {
 
 int msda_backward(const msda_args *args) {
     static const char fn[] = "msda_backward";
-    last_error[0] = '\0';
     msda_problem pr;
-    int st = read_args(fn, args, 1, &pr);
-    if (st == MSDA_OK) st = check_problem(fn, &pr, args->level_points);
-    if (st == MSDA_OK) st = check_alignment(fn, &pr);
+    const int st = read_checked(fn, args, &pr);
     if (st != MSDA_OK) return st;
     if (!pr.grad_value && !pr.grad_sampling_locations && !pr.grad_attention_weights)
         return MSDA_OK;
