@@ -122,11 +122,16 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: size %s = %lld must be >= %lld",
                                   fn, sizes[i].name, (long long)sizes[i].v,
                                   (long long)sizes[i].min);
-    if (pr->flags & ~(MSDA_NEAREST | MSDA_SOFTMAX | MSDA_DETERMINISTIC))
+    if (pr->flags & ~(MSDA_NEAREST | MSDA_SOFTMAX | MSDA_DETERMINISTIC | MSDA_POINTS_F32))
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
                               "%s: flags = %d has bits outside MSDA_NEAREST | MSDA_SOFTMAX | "
-                              "MSDA_DETERMINISTIC",
+                              "MSDA_DETERMINISTIC | MSDA_POINTS_F32",
                               fn, pr->flags);
+    if ((pr->flags & MSDA_POINTS_F32) && pr->dtype != MSDA_F16 && pr->dtype != MSDA_BF16)
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: MSDA_POINTS_F32 needs dtype MSDA_F16 or MSDA_BF16 (got dtype "
+                              "code %d)",
+                              fn, pr->dtype);
     int st = set_points(fn, pr, level_points);
     if (st != MSDA_OK) return st;
     /* Every element count (and the byte count of the largest) must fit an int64. */
@@ -175,7 +180,7 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
 /* Every pointer must be aligned to its element type: the kernels load whole elements, and a
  * misaligned one is undefined behaviour in C and a sticky fault on a GPU. */
 static int check_alignment(const char *fn, const msda_problem *pr) {
-    const int64_t elem = msda_dtype_size(pr->dtype);
+    const int64_t elem = msda_dtype_size(pr->dtype), point = msda_point_size(pr);
     const int64_t index = pr->index_dtype == MSDA_I64 ? 8 : 4;
     /* grad_value: f32 for half types on the CPU, the element type on CUDA */
     const int64_t acc = pr->device >= 0 ? elem : pr->dtype == MSDA_F64 ? 8 : 4;
@@ -183,13 +188,13 @@ static int check_alignment(const char *fn, const msda_problem *pr) {
         {"value", pr->value, elem},
         {"spatial_shapes", pr->spatial_shapes, index},
         {"level_start_index", pr->level_start_index, index},
-        {"sampling_locations", pr->sampling_locations, elem},
-        {"attention_weights", pr->attention_weights, elem},
+        {"sampling_locations", pr->sampling_locations, point},
+        {"attention_weights", pr->attention_weights, point},
         {"grad_output", pr->grad_output, elem},
         {"output", pr->output, elem},
         {"grad_value", pr->grad_value, acc},
-        {"grad_sampling_locations", pr->grad_sampling_locations, elem},
-        {"grad_attention_weights", pr->grad_attention_weights, elem},
+        {"grad_sampling_locations", pr->grad_sampling_locations, point},
+        {"grad_attention_weights", pr->grad_attention_weights, point},
         {"workspace", pr->workspace, 16},
     };
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)

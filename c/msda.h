@@ -38,6 +38,12 @@
  *     (64-bit fixed point in `workspace`, whose integer sums are associative), so that repeated
  *     runs give bitwise identical gradients. On CUDA it needs a workspace of
  *     msda_backward_workspace_size() bytes; the CPU backward is deterministic whatever the flag.
+ *   MSDA_POINTS_F32 (with dtype MSDA_F16 or MSDA_BF16 only): sampling_locations,
+ *     attention_weights and their gradients are float32, read and written as such (what
+ *     torch.autocast hands a half-precision model: value from a half linear layer, locations
+ *     and softmaxed weights in float32). Coordinates and weights are then computed from the
+ *     float32 numbers, so no location is rounded to the value's 8 or 11 bits. value, output,
+ *     grad_output and grad_value keep `dtype`.
  *
  * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
  * point returns an msda_status; on failure msda_last_error() holds this thread's error text.
@@ -70,7 +76,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 7
+#define MSDA_ABI_VERSION 8
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -99,6 +105,7 @@ typedef enum {
     MSDA_NEAREST = 1,       /* nearest-pixel sampling instead of bilinear                   */
     MSDA_SOFTMAX = 2,       /* attention_weights are logits, softmaxed inside the op          */
     MSDA_DETERMINISTIC = 4, /* backward: bitwise reproducible grad_value (needs a workspace)  */
+    MSDA_POINTS_F32 = 8,    /* float32 locations and weights with a half-precision dtype      */
 } msda_flags;
 
 /* ---- capabilities ------------------------------------------------------------------------- */
@@ -137,7 +144,9 @@ typedef struct {
      * head, L levels, Q queries, P points per level (with level_points: points in all).
      * B, S, Q >= 0; H, C, L, P >= 1. */
     int64_t B, S, H, C, L, Q, P;
-    int32_t dtype;       /* F B W R: msda_dtype of every tensor but the two tables */
+    /* F B W R: msda_dtype of every tensor but the two tables (and, with MSDA_POINTS_F32, the
+     * locations, the weights and their gradients, which are then float32) */
+    int32_t dtype;
     int32_t index_dtype; /* F B: msda_index_dtype of spatial_shapes and level_start_index */
     /* F B W R: -1 runs on the CPU; >= 0 on that CUDA device (the library selects it for the
      * launch and restores the caller's). R reads it only when it is not told the device. */

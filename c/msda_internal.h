@@ -53,6 +53,10 @@ int msda_set_error(int status, const char *fmt, ...)
 
 /* Bytes of one element of `dtype` (0 for an unknown code). */
 int64_t msda_dtype_size(int dtype);
+/* Bytes of one element of sampling_locations, attention_weights and their gradients. */
+static inline int64_t msda_point_size(const msda_problem *pr) {
+    return (pr->flags & MSDA_POINTS_F32) ? 4 : msda_dtype_size(pr->dtype);
+}
 
 /* CPU kernels (c/cpu_kernels.c): the plain op (uniform points, no MSDA_NEAREST/MSDA_SOFTMAX;
  * MSDA_DETERMINISTIC needs nothing on the CPU). */
