@@ -47,6 +47,23 @@ static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 // ---------------------------------------------------------------------------------------------
 // launch: the route's kernels, templated on the dtype
 
+/* The aggregated kernel for points stored as P (kernels/common.cuh: PointTensor): with every
+ * gradient wanted (FULL), with options (OPT) or else. */
+template <typename T, typename P, int G, bool DET>
+static cudaError_t launch_aggregated(const msda_problem *pr, dim3 grid, cudaStream_t stream,
+                                     int64_t bytes) {
+    if (msda_needs_general(pr))
+        return zero_then_launch(msda_backward_agg<T, G, true, DET, false, P>, grid, bytes, pr,
+                                stream);
+    if constexpr (!DET) {
+        if (pr->grad_value && pr->grad_sampling_locations && pr->grad_attention_weights)
+            return zero_then_launch(msda_backward_agg<T, G, false, false, true, P>, grid, bytes,
+                                    pr, stream);
+    }
+    return zero_then_launch(msda_backward_agg<T, G, false, DET, false, P>, grid, bytes, pr,
+                            stream);
+}
+
 /* The fast kernels of a plan (G = plan.group): one case per route. A route this instantiation
  * does not build (the plan and the if constexpr below disagree) is a library bug. */
 template <typename T, int G, bool DET>
@@ -57,18 +74,10 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan 
     switch (plan.kernel) {
     case MSDA_ROUTE_AGGREGATED:
         if constexpr (G >= 4) {
-            const bool full = pr->grad_value && pr->grad_sampling_locations &&
-                              pr->grad_attention_weights;
-            if (opt)
-                return zero_then_launch(msda_backward_agg<T, G, true, DET, false>, grid, bytes,
-                                        pr, stream);
-            if constexpr (!DET) {
-                if (full)
-                    return zero_then_launch(msda_backward_agg<T, G, false, false, true>, grid,
-                                            bytes, pr, stream);
-            }
-            return zero_then_launch(msda_backward_agg<T, G, false, DET, false>, grid, bytes, pr,
-                                    stream);
+            if constexpr (IsHalf<T>::value)
+                if (pr->flags & MSDA_POINTS_F32)
+                    return launch_aggregated<T, float, G, DET>(pr, grid, stream, bytes);
+            return launch_aggregated<T, T, G, DET>(pr, grid, stream, bytes);
         }
         break;
     case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing (SPLIT) */

@@ -215,7 +215,7 @@ template <typename T, int G> struct DetRowSums {
  * part + (G/2) * q there, so a walker's atomics cover whole sectors. The point gradients come
  * from dots summed in a fixed order either way. */
 #define MSDA_AGG_BUCKETS 16 /* segment lengths 1 .. 15 and 16 or more */
-template <typename T, int G, bool OPT, bool DET, bool FULL>
+template <typename T, int G, bool OPT, bool DET, bool FULL, typename P>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
     constexpr int V = 4;
     typedef StageAgg<G> St;
@@ -257,8 +257,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     short(&s_ent)[St::NS] = sm.ent;
     const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
     const T *gout = (const T *)pr.grad_output;
-    T *grad_loc = (T *)pr.grad_sampling_locations;
-    T *grad_attn = (T *)pr.grad_attention_weights;
+    const PointTensor<T, P> grad_loc(pr.grad_sampling_locations, pr);
+    const PointTensor<T, P> grad_attn(pr.grad_attention_weights, pr);
     /* FULL: every gradient wanted (compile-time, so the walk tests no pointer) */
     const bool point_grads = FULL || grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
@@ -296,13 +296,13 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 for (int j = 0; j < V; j++) go[j] = 0.f;
             }
             s_go[il * G + g] = make_float4(go[0], go[1], go[2], go[3]);
-            group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft, il);
+            group_softmax_stats<T, G, OPT, P>(pr, item, row, n_items, s_soft, il);
         }
         if (softmax) __syncthreads();
         const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
         for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
             const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
-            stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
+            stage_chunk<T, false, OPT, St, P>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
                                            s_offs, s_geo);
             __syncthreads();
             /* file every inside corner under its row; new rows numbered warp by warp */
@@ -461,16 +461,16 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const int pidx = p0 + k;
                     const int64_t i = (int64_t)s_item[il].x * LP + pidx;
                     if (softmax && grad_attn) atomicAdd(&s_smdot[il], a * s_a);
-                    if (grad_attn) grad_attn[i] = from_acc<T>(s_a);
+                    if (grad_attn) grad_attn.set(i, s_a);
                     if (grad_loc && (!hit || nearest)) {
-                        grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
+                        grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
                     } else if (grad_loc) {
                         const float s_x = (1.f - fy) * (d1 - d0) + fy * (d3 - d2);
                         const float s_y = (1.f - fx) * (d2 - d0) + fx * (d3 - d1);
                         const int l = level_of<OPT>(pr, pidx);
                         const float W_l = (float)s_lvl[l].y, H_l = (float)s_lvl[l].x;
-                        grad_loc[2 * i] = from_acc<T>(a * s_x * W_l);
-                        grad_loc[2 * i + 1] = from_acc<T>(a * s_y * H_l);
+                        grad_loc.set(2 * i, a * s_x * W_l);
+                        grad_loc.set(2 * i + 1, a * s_y * H_l);
                     }
                 }
             }
@@ -484,11 +484,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 const float2 soft = s_soft[il];
                 const float dot = s_smdot[il];
                 const int64_t row = s_item[il].x;
-                const T *z = (const T *)pr.attention_weights;
+                const PointTensor<T, P> z(pr.attention_weights, pr);
                 for (int pidx = g; pidx < LP; pidx += G) {
                     const int64_t i = row * LP + pidx;
                     const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
-                    grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
+                    grad_attn.set(i, a * (to_acc(grad_attn[i]) - dot));
                 }
             }
             __syncthreads();

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int6
 template <typename T>
 __global__ void __launch_bounds__(256) det_scan_kernel(msda_problem pr) {
     const T *gout = (const T *)pr.grad_output;
-    const T *attn = (const T *)pr.attention_weights;
+    const PointTensor<T> attn(pr.attention_weights, pr);
     DetHeader *hd = (DetHeader *)pr.workspace;
     const int64_t n_g = pr.B * pr.Q * pr.H * pr.C, n_a = pr.B * pr.Q * pr.H * pr.NP;
     const bool softmax = pr.flags & MSDA_SOFTMAX; /* probabilities are <= 1 */

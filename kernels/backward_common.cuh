@@ -22,10 +22,6 @@
 #else
 #define MSDA_NATIVE_HALF 0
 #endif
-template <typename T> struct IsHalf {
-    static constexpr bool value = std::is_same<T, __half>::value ||
-                                  std::is_same<T, __nv_bfloat16>::value;
-};
 /* DET sums in fixed point whatever the type (its convert kernel writes grad_value) */
 template <typename T, bool DET> struct NativeHalf {
     static constexpr bool value = MSDA_NATIVE_HALF && !DET && IsHalf<T>::value;

@@ -17,12 +17,11 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
     constexpr bool NATIVE = NativeHalf<T, DET>::value;
     const T *value = (const T *)pr.value;
-    const T *loc = (const T *)pr.sampling_locations;
-    const T *attn = (const T *)pr.attention_weights;
+    const PointTensor<T> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
     const T *gout = (const T *)pr.grad_output;
     Acc *grad_value = (Acc *)pr.grad_value;
-    T *grad_loc = (T *)pr.grad_sampling_locations;
-    T *grad_attn = (T *)pr.grad_attention_weights;
+    const PointTensor<T> grad_loc(pr.grad_sampling_locations, pr);
+    const PointTensor<T> grad_attn(pr.grad_attention_weights, pr);
     const bool point_grads = grad_loc || grad_attn;
     const bool nearest = pr.flags & MSDA_NEAREST, softmax = pr.flags & MSDA_SOFTMAX;
     const int64_t H = pr.H, C = pr.C, L = pr.L, Q = pr.Q, NP = pr.NP;
@@ -78,11 +77,11 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
                 dot += a * g_attn;
                 if (lane == 0) {
                     /* with softmax, dL/dA for now; turned into dL/dlogit below */
-                    if (grad_attn) grad_attn[i] = from_acc<T>(g_attn);
+                    if (grad_attn) grad_attn.set(i, g_attn);
                     if (grad_loc) { /* a point outside keeps zero gradients whatever its A */
                         const bool moves = hit && !nearest; /* nearest: piecewise constant */
-                        grad_loc[2 * i] = from_acc<T>(moves ? a * g_fx * (Acc)W_l : (Acc)0);
-                        grad_loc[2 * i + 1] = from_acc<T>(moves ? a * g_fy * (Acc)H_l : (Acc)0);
+                        grad_loc.set(2 * i, moves ? a * g_fx * (Acc)W_l : (Acc)0);
+                        grad_loc.set(2 * i + 1, moves ? a * g_fy * (Acc)H_l : (Acc)0);
                     }
                 }
             }
@@ -92,7 +91,7 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
             for (int64_t j = lane; j < NP; j += 32) {
                 const int64_t i = qh * NP + j;
                 const Acc a = attention<Acc>(pr, to_acc(attn[i]), mx, inv);
-                grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
+                grad_attn.set(i, a * (to_acc(grad_attn[i]) - dot));
             }
             __syncwarp();
         }

@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
         det_acc = (long long *)((char *)pr.workspace + MSDA_DET_HEADER_BYTES) + g;
         scale = (float)det_scale(pr, (const DetHeader *)pr.workspace);
     }
-    T *grad_loc = (T *)pr.grad_sampling_locations;
-    T *grad_attn = (T *)pr.grad_attention_weights;
+    const PointTensor<T> grad_loc(pr.grad_sampling_locations, pr);
+    const PointTensor<T> grad_attn(pr.grad_attention_weights, pr);
     const bool point_grads = grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
@@ -246,15 +246,15 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                     const int64_t i = (int64_t)s_item[il].x * LP + pidx;
                     const float4 sums = s_sums[il * St::STRIDE + k];
                     const float a = s_geo[il * St::STRIDE + k].x;
-                    if (grad_attn) grad_attn[i] = from_acc<T>(sums.x);
+                    if (grad_attn) grad_attn.set(i, sums.x);
                     if (grad_loc && (sums.w == 0.f || nearest)) { /* nearest: constant */
-                        grad_loc[2 * i] = grad_loc[2 * i + 1] = from_acc<T>(0.f);
+                        grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
                     } else if (grad_loc) {
                         const int l = level_of<OPT>(pr, pidx);
                         const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
                         const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
-                        grad_loc[2 * i] = from_acc<T>(a * sums.y * W_l);
-                        grad_loc[2 * i + 1] = from_acc<T>(a * sums.z * H_l);
+                        grad_loc.set(2 * i, a * sums.y * W_l);
+                        grad_loc.set(2 * i + 1, a * sums.z * H_l);
                     }
                 }
             }
@@ -262,11 +262,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
         }
         if (softmax && grad_attn && item < n_items) { /* dL/dz = A * (dL/dA - dot), see above */
             const float2 soft = s_soft[local];
-            const T *z = (const T *)pr.attention_weights;
+            const PointTensor<T> z(pr.attention_weights, pr);
             for (int pidx = g; pidx < LP; pidx += G) {
                 const int64_t i = (int64_t)row * LP + pidx;
                 const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
-                grad_attn[i] = from_acc<T>(a * (to_acc(grad_attn[i]) - dot));
+                grad_attn.set(i, a * (to_acc(grad_attn[i]) - dot));
             }
         }
     }

@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "../c/msda_internal.h"
 
 // ---------------------------------------------------------------------------------------------
@@ -31,6 +33,42 @@ template <> __device__ __forceinline__ double from_acc<double>(double v) { retur
 
 template <typename T> struct AccOf { typedef float type; };
 template <> struct AccOf<double> { typedef double type; };
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+template <> struct IsHalf<__nv_bfloat16> { static constexpr bool value = true; };
+
+/* A point tensor (sampling_locations, attention_weights or one of their gradients) of a
+ * problem whose value is T, read as Acc and written from Acc. Its elements: P (T, or float
+ * with a half T), or with P = void as pr.flags says: T, or float32 with MSDA_POINTS_F32 (half
+ * T only; for f32 and f64 the test folds to false at compile time). The runtime test costs
+ * the aggregated backward 1.5% in the all-half encoders (H100), so that kernel is compiled
+ * for each P; elsewhere it costs nothing measurable (the forward was 2-5% faster with it:
+ * its loads are issued earlier; kernels/TUNING.md). */
+template <typename T, typename P = void> struct PointTensor {
+    typedef typename AccOf<T>::type Acc;
+    static constexpr bool RUNTIME = std::is_same<P, void>::value;
+    char *p;
+    bool f32;
+    __device__ __forceinline__ PointTensor(const void *ptr, const msda_problem &pr)
+        : p((char *)ptr),
+          f32(IsHalf<T>::value && (RUNTIME ? (pr.flags & MSDA_POINTS_F32) != 0
+                                           : std::is_same<P, float>::value)) {}
+    __device__ __forceinline__ explicit operator bool() const { return p != nullptr; }
+    __device__ __forceinline__ Acc operator[](int64_t i) const {
+        if (IsHalf<T>::value && f32) return (Acc)((const float *)p)[i];
+        return to_acc(((const T *)p)[i]);
+    }
+    __device__ __forceinline__ void set(int64_t i, Acc v) const {
+        if (IsHalf<T>::value && f32) ((float *)p)[i] = (float)v;
+        else ((T *)p)[i] = from_acc<T>(v);
+    }
+    /* the tensor from element i on */
+    __device__ __forceinline__ PointTensor operator+(int64_t i) const {
+        PointTensor t = *this;
+        t.p += i * (IsHalf<T>::value && f32 ? 4 : (int64_t)sizeof(T));
+        return t;
+    }
+};
 
 __device__ __forceinline__ float fma_acc(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ double fma_acc(double a, double b, double c) { return fma(a, b, c); }

@@ -19,8 +19,7 @@ template <typename T>
 __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
     const T *value = (const T *)pr.value;
-    const T *loc = (const T *)pr.sampling_locations;
-    const T *attn = (const T *)pr.attention_weights;
+    const PointTensor<T> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
     T *out = (T *)pr.output;
     const int64_t H = pr.H, C = pr.C, L = pr.L, Q = pr.Q, NP = pr.NP;
     const int lane = threadIdx.x & 31;

@@ -132,7 +132,7 @@ __device__ __forceinline__ bool nearest_point(Acc loc_x, Acc loc_y, int64_t H_l,
 /* The point of sampling_locations index i (of level l) for the generic kernels, bilinear or
  * nearest as pr.flags says. */
 template <typename Acc, typename T>
-__device__ __forceinline__ bool generic_point(const msda_problem &pr, const T *loc, int64_t i,
+__device__ __forceinline__ bool generic_point(const msda_problem &pr, const PointTensor<T> &loc, int64_t i,
                                               int64_t H_l, int64_t W_l, int64_t start, int64_t b,
                                               int64_t h, Point<Acc> &pt) {
     const Acc x = to_acc(loc[2 * i]), y = to_acc(loc[2 * i + 1]);
@@ -161,7 +161,8 @@ __device__ __forceinline__ GenericLevel generic_level(const msda_problem &pr, in
  * of the n logits z of one item (lane-strided, then shuffles: every lane gets the same result
  * in the same order). */
 template <typename Acc, typename T>
-__device__ __forceinline__ void softmax_stats(const T *z, int64_t n, int lane, Acc &mx, Acc &inv) {
+__device__ __forceinline__ void softmax_stats(const PointTensor<T> &z, int64_t n, int lane, Acc &mx,
+                                              Acc &inv) {
     Acc m = -INFINITY;
     for (int64_t j = lane; j < n; j += 32) m = fmax(m, to_acc(z[j]));
     m = warp_max(m);

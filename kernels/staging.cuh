@@ -131,8 +131,9 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
             const unsigned later = (unsigned)item + n_sm * 5u * (unsigned)ipb;
             if (later < (unsigned)n_items) {
                 const int64_t r = item_row<TILE>(pr, s_lvl, (int)later, tiled);
-                asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.sampling_locations + r * pr.NP * 2));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"((const T *)pr.attention_weights + r * pr.NP));
+                const PointTensor<T> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((loc + r * pr.NP * 2).p));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"((attn + r * pr.NP).p));
             }
         }
     }
@@ -141,7 +142,7 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
 /* MSDA_SOFTMAX, fast kernels: each group of G lanes computes {max, 1 / sum(exp(z - max))} of
  * its item's logits into s_soft[local] (lane-strided, then group shuffles: a fixed order);
  * items past the end get {0, 1}. The caller synchronises. */
-template <typename T, int G, bool OPT>
+template <typename T, int G, bool OPT, typename P = void>
 __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int row,
                                                     int n_items, float2 *s_soft,
                                                     int local = threadIdx.x / G) {
@@ -152,7 +153,7 @@ __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int 
         return;
     }
     const int NP = item < n_items ? (int)pr.NP : 0; /* every lane still joins the shuffles */
-    const T *z = (const T *)pr.attention_weights + (int64_t)row * (int)pr.NP;
+    const PointTensor<T, P> z = PointTensor<T, P>(pr.attention_weights, pr) + (int64_t)row * (int)pr.NP;
     float m = -INFINITY, sum = 0.f;
     for (int j = g; j < NP; j += G) m = fmaxf(m, to_acc(z[j]));
 #pragma unroll
@@ -168,11 +169,10 @@ __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int 
  *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
  * Offsets are int32: the fast path needs B*S*H*C < 2^31. Unsigned arithmetic wraps instead of
  * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
-template <typename T, bool WEIGHTS, bool OPT>
+template <typename T, bool WEIGHTS, bool OPT, typename P = void>
 __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int2 it,
                                             int pidx, float2 soft, int4 &offs, float4 &geo) {
-    const T *loc = (const T *)pr.sampling_locations;
-    const T *attn = (const T *)pr.attention_weights;
+    const PointTensor<T, P> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
     const int64_t i = (int64_t)it.x * (int)pr.NP + pidx;
     const int4 lvl = s_lvl[level_of<OPT>(pr, pidx)];
     const int flags = OPT ? pr.flags : 0;
@@ -222,7 +222,7 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
 /* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) (s_item: fill_items) in
  * shared memory, one thread per point (stage_point); slots past the last item or point get
  * offsets -1. The caller synchronises before reading them. */
-template <typename T, bool WEIGHTS, bool OPT, typename St>
+template <typename T, bool WEIGHTS, bool OPT, typename St, typename P = void>
 __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl,
                                             const int2 *s_item, int base, int n_items, int p0,
                                             int kn, const float2 *s_soft, int4 *s_offs,
@@ -236,7 +236,7 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
          * race with the write of another group) */
         const bool soft = OPT && (pr.flags & MSDA_SOFTMAX);
         if (base + il < n_items && k < kn)
-            stage_point<T, WEIGHTS, OPT>(pr, s_lvl, s_item[il], p0 + k,
+            stage_point<T, WEIGHTS, OPT, P>(pr, s_lvl, s_item[il], p0 + k,
                                          soft ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
