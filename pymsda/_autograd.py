@@ -51,6 +51,8 @@ def _device_args(t):
 
 def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
+    if loc.dtype is not value.dtype:  # float32 points, half value (_plan._points)
+        flags |= _lib.FLAG_POINTS_F32
     out = value.new_empty((B, Q, H * C))
     if value.is_cuda:  # _device_args, inline
         device = value.get_device()
@@ -70,6 +72,8 @@ def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
 def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
               lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
+    if loc.dtype is not value.dtype:  # float32 points, half value (_plan._points)
+        flags |= _lib.FLAG_POINTS_F32
     grad_out = grad_out.contiguous()
     if grad_out.dtype != value.dtype:
         grad_out = grad_out.to(value.dtype)
@@ -175,12 +179,15 @@ _has_cuda_kernels = bool(lib.msda_has_cuda())
 
 def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     """The pure-PyTorch op, for a device the library does not serve (a GPU without the
-    library's CUDA kernels, MPS, ...)."""
+    library's CUDA kernels, MPS, ...); with float32 points and a half value (the dtype rule,
+    _plan._points) it runs in float32 and rounds the output to value's dtype."""
     from .reference import ms_deform_attn_pytorch
-    return ms_deform_attn_pytorch(
-        value, spatial_shapes, loc, attn, num_points_list=num_points_list,
+    out = ms_deform_attn_pytorch(
+        value if value.dtype is loc.dtype else value.to(loc.dtype), spatial_shapes, loc, attn,
+        num_points_list=num_points_list,
         sampling="nearest" if flags & _lib.FLAG_NEAREST else "bilinear",
         softmax=bool(flags & _lib.FLAG_SOFTMAX))
+    return out if out.dtype is value.dtype else out.to(value.dtype)
 
 
 class _MetaMSDA(torch.autograd.Function):

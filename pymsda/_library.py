@@ -9,7 +9,7 @@ import torch
 from ._autograd import _backward, _forward, _library_serves, _reference
 from ._checks import (_check_float_tensor, _check_grad_output, _check_pairs, _check_shapes_only,
                       _point_counts)
-from ._plan import _prepare
+from ._plan import _points, _prepare
 from ._tables import _starts_of
 
 # ---------------------------------------------------------------------------------------------
@@ -138,12 +138,10 @@ def _ms_deform_attn_traced(value, spatial_shapes, level_start_index, sampling_lo
                                          dtype=spatial_shapes.dtype, device=device)
     if not per_level:
         num_points_list = list(_point_counts(num_points_list, spatial_shapes.shape[0]))
+    sampling_locations, attention_weights = _points(value.dtype, sampling_locations,
+                                                    attention_weights)
     if not _library_serves(device):
-        return _reference(value, spatial_shapes, sampling_locations.to(value.dtype),
-                          attention_weights.to(value.dtype), num_points_list, flags)
-    if sampling_locations.dtype != value.dtype:
-        sampling_locations = sampling_locations.to(value.dtype)
-    if attention_weights.dtype != value.dtype:
-        attention_weights = attention_weights.to(value.dtype)
+        return _reference(value, spatial_shapes, sampling_locations, attention_weights,
+                          num_points_list, flags)
     return _forward_op(value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights, num_points_list, flags)

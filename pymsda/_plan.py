@@ -3,6 +3,8 @@ the tensors made contiguous and aligned, as (value, levels, sampling_locations,
 attention_weights, sizes, level points). The common call (tensors of one dtype in the plain
 layout, level tables seen before) is answered in one pass at the top; anything else goes on to
 the checks, which name what is wrong, and to the preparation of what is new."""
+import torch
+
 from ._checks import (_DTYPE_CODE, _MAX_ELEMENTS, _aligned_contiguous, _check_levels,
                       _check_min_sizes, _check_sizes, _check_tensors, _elements_fit, _level_points)
 from ._autograd import _has_cuda_kernels
@@ -32,14 +34,24 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
     if not _elements_fit(B, S, H, C, L, Q, P):
         _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
-    # Mixed float dtypes (autocast) follow value's dtype.
-    dtype = value.dtype
-    if sampling_locations.dtype != dtype:
-        sampling_locations = sampling_locations.to(dtype)
-    if attention_weights.dtype != dtype:
-        attention_weights = attention_weights.to(dtype)
+    sampling_locations, attention_weights = _points(value.dtype, sampling_locations,
+                                                    attention_weights)
     return _contiguous(value, levels, sampling_locations, attention_weights,
                        (B, S, H, C, L, Q, P), lp)
+
+
+_F32, _HALF = torch.float32, (torch.float16, torch.bfloat16)
+
+
+def _points(dtype, loc, attn):
+    """The dtype rule (ops.ms_deform_attn): sampling_locations and attention_weights as the op
+    reads them, in value's dtype `dtype`, or in float32 with a half value unless both are of
+    its dtype. So autocast's float32 points are read as float32, a narrower point dtype is
+    widened, and nothing is rounded to half precision on the way in."""
+    if loc.dtype is dtype and attn.dtype is dtype:
+        return loc, attn
+    to = _F32 if dtype in _HALF else dtype
+    return loc if loc.dtype is to else loc.to(to), attn if attn.dtype is to else attn.to(to)
 
 
 def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
@@ -49,7 +61,8 @@ def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
     prepares what is new)."""
     dtype = value.dtype
     if loc.dtype is not dtype or attn.dtype is not dtype or dtype not in _DTYPE_CODE:
-        return None
+        if not (loc.dtype is _F32 and attn.dtype is _F32 and dtype in _HALF):  # autocast's
+            return None
     try:
         B, S, H, C = value.shape
         Bl, Q, Hl, L, P, two = loc.shape
@@ -75,16 +88,16 @@ def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
             or not (_has_cuda_kernels if value.is_cuda else device.type == "cpu")):
         return None
     value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
-    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % value.element_size():
+    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
         return None  # misaligned (torch.frombuffer): _prepare copies
     return value, loc, attn, (levels, (B, S, H, C, L, Q, P), None, flags)
 
 
 def _contiguous(value, levels, loc, attn, sizes, lp):
     value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
-    # One alignment test for the three (one element size): a misaligned one is rare (only
-    # torch.frombuffer makes one), so the common call reads each pointer once.
-    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % value.element_size():
+    # One alignment test for the three (the larger element size, the points'): a misaligned
+    # one is rare (only torch.frombuffer makes one), so the common call reads each pointer once.
+    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
         value, loc, attn = _aligned_contiguous(value), _aligned_contiguous(loc), \
             _aligned_contiguous(attn)
     return value, levels, loc, attn, sizes, lp

@@ -61,8 +61,7 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         out[b, q, h*C + c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b, :, :, h, c],
                                                       loc_x * W_l - 0.5, loc_y * H_l - 0.5),
         i.e. grid_sample(bilinear, padding_mode="zeros", align_corners=False) with
-        grid = 2 * loc - 1. sampling_locations and attention_weights of another float dtype are
-        cast to value's dtype. Differentiable with respect to value, sampling_locations and
+        grid = 2 * loc - 1. Mixed dtypes: see the dtype rule below. Differentiable with respect to value, sampling_locations and
         attention_weights. Half precision accumulates in float32; on CUDA (sm_90 and newer) the
         float32 sums of grad_value are added into the half-precision gradient with atomics,
         each rounded once as it is added (deterministic=True rounds each element once).
@@ -78,13 +77,17 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         non-finite (Inf weight), as do the location gradient of that point and grad_value at
         its corners; its own weight gradient (the bilinear sample) stays finite.
 
-    Autocast (dtype rule):
-        The op runs in value's dtype and casts sampling_locations and attention_weights to it;
-        it is not itself on an autocast list. Under torch.autocast("cuda", torch.bfloat16) a
-        value projected by an nn.Linear is bfloat16, so the op runs in bfloat16 (accumulating in
-        float32) even where the locations or the softmaxed weights are float32; their
-        gradients come back in their own dtypes. To run it in float32 under autocast, pass
-        value.float().
+    Mixed dtypes and autocast (the dtype rule):
+        The output and grad_value have value's dtype. sampling_locations and attention_weights
+        (the points) are read in value's dtype when both have it; with a float16 or bfloat16
+        value and points of any other float dtype they are read as float32: the kernels compute
+        coordinates and weights from the float32 numbers, so no location is rounded to half
+        precision. That is what torch.autocast gives a Deformable-DETR-style model (value from
+        an nn.Linear in half precision, float32 reference points + offsets and a float32
+        softmax), and it costs no cast. A point dtype narrower than value's is widened to it
+        (float16 points with a float32 value), a float64 value runs in float64 throughout.
+        Gradients come back in each input's own dtype. The op is not itself on an autocast
+        list.
 
     torch.compile, torch.export, CUDA graphs:
         Where torch has torch.library.custom_op (2.4 and later) the op is registered as
