@@ -94,11 +94,14 @@ def pixel_centres(levels, dtype=torch.float64, device="cpu"):
     return torch.cat(centres)
 
 
-def make_inputs(spec, dtype=torch.float32, device="cpu", dist="realistic", seed=0, noise=1.0):
+def make_inputs(spec, dtype=torch.float32, device="cpu", dist="realistic", seed=0, noise=1.0,
+                points32=False):
     """One input set for a bench_shapes.json spec: a dict with value (B, S, H, C), spatial_shapes
     (a list of (H_l, W_l)), sampling_locations (B, Q, H, L, P, 2), attention_weights
     (B, Q, H, L, P) and grad_output (B, Q, H*C), all of `dtype` on `device`. `noise` is the
-    standard deviation, in pixels, of the realistic offsets' noise."""
+    standard deviation, in pixels, of the realistic offsets' noise. points32 (a half dtype):
+    locations and weights stay float32, as under autocast, and value_exact holds the value
+    before its rounding to `dtype`."""
     device = torch.device(device)
     levels = [(int(h), int(w)) for h, w in spec["levels"]]
     B, H, C, P, L = spec["B"], spec["H"], spec["C"], spec["P"], len(levels)
@@ -124,8 +127,13 @@ def make_inputs(spec, dtype=torch.float32, device="cpu", dist="realistic", seed=
     else:
         raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {dist!r}")
     grad_output = torch.randn(B, Q, H * C, **draw)
-    return dict(value=value.to(dtype), spatial_shapes=levels, sampling_locations=locations.to(dtype),
-                attention_weights=weights.to(dtype), grad_output=grad_output.to(dtype))
+    points = torch.float32 if points32 else dtype
+    inputs = dict(value=value.to(dtype), spatial_shapes=levels,
+                  sampling_locations=locations.to(points), attention_weights=weights.to(points),
+                  grad_output=grad_output.to(dtype))
+    if points32:
+        inputs["value_exact"] = value
+    return inputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,17 +278,31 @@ def precision(inputs):
     dtype, shapes, grad_output = inputs["value"].dtype, inputs["spatial_shapes"], inputs["grad_output"]
     keys = ("value", "sampling_locations", "attention_weights")
     errors = dict.fromkeys(ERROR_KEYS)
-    leaves64 = [inputs[k].detach().double().requires_grad_() for k in keys]
-    ref64 = ms_deform_attn_pytorch(leaves64[0], shapes, leaves64[1], leaves64[2])
-    ref_grads = torch.autograd.grad(ref64, leaves64, grad_output.double())
-    ref64 = ref64.detach()
-    del leaves64
+
+    def f64_op(value):
+        leaves64 = [value.detach().double().requires_grad_()] + [
+            inputs[k].detach().double().requires_grad_() for k in keys[1:]]
+        out = ms_deform_attn_pytorch(leaves64[0], shapes, leaves64[1], leaves64[2])
+        return out.detach(), torch.autograd.grad(out, leaves64, grad_output.double())
+
+    ref64, ref_grads = f64_op(inputs["value"])
     impls = [("", _pymsda)]
     if dtype != torch.float64:
         impls.append(("reference_", ms_deform_attn_pytorch))
+    if "value_exact" in inputs:  # float32 points: errors against the unrounded value, beside
+        # the yardstick's (only value rounded, the results rounded to the dtypes they come in)
+        yard, yard_grads = ref64.to(dtype), [ref_grads[0].to(dtype)] + [
+            g.float() for g in ref_grads[1:]]
+        ref64, ref_grads = f64_op(inputs["value_exact"])
+        errors["value_rounding_forward"] = rel_l2(yard, ref64)
+        for key, grad, ref_grad in zip(GRAD_KEYS, yard_grads, ref_grads):
+            errors["value_rounding_" + key] = rel_l2(grad, ref_grad)
+        del yard, yard_grads
     for prefix, op in impls:
         try:
             leaves = [inputs[k].detach().requires_grad_() for k in keys]
+            if prefix:  # grid_sample takes one dtype: the points rounded to value's
+                leaves[1:] = [t.detach().to(dtype).requires_grad_() for t in leaves[1:]]
             out = op(leaves[0], shapes, leaves[1], leaves[2])
             errors[prefix + "forward"] = rel_l2(out.detach(), ref64)
             grads = torch.autograd.grad(out, leaves, grad_output)
@@ -423,7 +445,7 @@ def _time_pass(input_sets, pass_name, reps, device, warmup, reference, op=_pymsd
 
 def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, reps=None,
         sets=3, reference=True, overhead=False, command=None, progress=True,
-        deterministic=False):
+        deterministic=False, points32=False):
     """Benchmarks every shape x dtype x pass. shapes: {name: spec} (default: the device's group of
     bench_shapes.json); dtypes: names of DTYPES. Returns {"metadata", "settings", "shapes", "rows",
     "overhead"}; one row per shape, dtype and pass, its "errors" shared by the shape's dtype."""
@@ -437,7 +459,7 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     metadata = environment(device, command)
     settings = dict(device=str(device), dtypes=dtypes, dist=dist, passes=list(passes), reps=reps,
                     sets=sets, warmup=warmup, reference=reference, threads=torch.get_num_threads(),
-                    deterministic=deterministic)
+                    deterministic=deterministic, points32=points32)
     for key, text in metadata.items():
         log(f"{key + ':':9s} {text}")
     log("settings: " + " ".join(f"{k}={v}" for k, v in settings.items()))
@@ -447,8 +469,10 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     rows = []
     for name, spec in shapes.items():
         for dtype_name in dtypes:
+            half = DTYPES[dtype_name] in (torch.float16, torch.bfloat16)
             input_sets = [make_inputs(spec, DTYPES[dtype_name], device, dist,
-                                      seed=zlib.crc32(f"{name}/{i}".encode()))
+                                      seed=zlib.crc32(f"{name}/{i}".encode()),
+                                      points32=points32 and half)
                           for i in range(sets)]
             try:
                 errors = precision(input_sets[0])
@@ -462,7 +486,9 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             rows += group
             times = "  ".join(f"{r['pass']} {r['pymsda_ms']:.3f} ms"
                               + (f" ({r['speedup']:.1f}x)" if r["speedup"] else "") for r in group)
-            log(f"{name} {dtype_name}: {times}  | fwd error {_number(errors['forward'])}")
+            rounding = errors.get("value_rounding_forward")
+            log(f"{name} {dtype_name}: {times}  | fwd error {_number(errors['forward'])}"
+                + (f" (value's rounding alone {_number(rounding)})" if rounding else ""))
     return {"metadata": metadata, "settings": settings, "shapes": shapes, "rows": rows,
             "overhead": measure_overhead(device, reference) if overhead else None}
 
@@ -495,6 +521,10 @@ def main(argv=None):
     parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")
     parser.add_argument("--deterministic", action="store_true",
                         help="time pymsda with deterministic=True (bitwise reproducible backward)")
+    parser.add_argument("--points", choices=["same", "f32"], default="same",
+                        help="f32: float32 locations and weights with the half dtypes (what "
+                             "autocast gives); errors against the unrounded value, beside the "
+                             "error of rounding value alone")
     parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speed-ups")
     parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")
@@ -524,7 +554,7 @@ def main(argv=None):
 
     result = run({n: group[n] for n in names}, device, args.dtype, args.dist, args.passes,
                  args.reps, args.sets, reference=not args.no_reference, overhead=args.overhead,
-                 deterministic=args.deterministic,
+                 deterministic=args.deterministic, points32=args.points == "f32",
                  command=shlex.join(["python", "-m", "pymsda", "bench"] + argv))
     print()
     print(format_table(result), flush=True)
