@@ -154,23 +154,25 @@ GPU_CASES = [
 ]
 GRADS = {"all": ALL_GRADS, "value": ("value",), "points": ("sampling_locations",
                                                           "attention_weights")}
-# (deterministic concerns grad_value only: without it the route is another's)
-GPU_PARAMS = [(kernel, dtype, C, Q, P, options, det, grads)
+# (deterministic concerns grad_value only: without it the route is another's); half dtypes
+# also with float32 points (MSDA_POINTS_F32, autocast's inputs), which take the same routes
+GPU_PARAMS = [(kernel, dtype, C, Q, P, options, det, grads, points32)
               for kernel, dtypes, C, Q, P, options, det in GPU_CASES for dtype in dtypes
-              for grads in GRADS if not (det and grads == "points")]
+              for grads in GRADS if not (det and grads == "points")
+              for points32 in ((False, True) if dtype in (f16, bf16) else (False,))]
 
 
 def _gpu_id(p):
-    kernel, dtype, C, Q, P, options, det, grads = p
+    kernel, dtype, C, Q, P, options, det, grads, points32 = p
     extra = "".join(f"-{k}={v}" for k, v in options.items())
     return (f"{kernel}-{str(dtype)[6:]}-C{C}{extra}" + ("-deterministic" if det else "")
-            + f"-grads={grads}")
+            + f"-grads={grads}" + ("-points=f32" if points32 else ""))
 
 
 @requires_cuda
 @pytest.mark.parametrize("case", GPU_PARAMS, ids=[_gpu_id(p) for p in GPU_PARAMS])
 def test_each_route_matches_f64_oracle_cuda(generator, case):
-    kernel, dtype, C, Q, P, options, det, grads = case
+    kernel, dtype, C, Q, P, options, det, grads, points32 = case
     grads = GRADS[grads]
     L = len(SHAPES)
     got_route = backward_route(2, S_SMALL, 3, C, L, Q, P, dtype, deterministic=det,
@@ -183,8 +185,10 @@ def test_each_route_matches_f64_oracle_cuda(generator, case):
                                        and half_in_f32), got_route
     softmax = options.get("softmax", False)
     nearest = options.get("sampling") == "nearest"
-    inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L, dtype=dtype,
-                               device="cuda", logits=softmax)
+    inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L,
+                               dtype=f32 if points32 else dtype, device="cuda", logits=softmax)
+    if points32:
+        inputs["value"] = inputs["value"].to(dtype)
     shape = (2, Q, 3, L, P)
     inputs["sampling_locations"] = inputs["sampling_locations"].reshape(shape + (2,))
     inputs["attention_weights"] = inputs["attention_weights"].reshape(shape)
@@ -211,6 +215,19 @@ def test_each_route_matches_f64_oracle_cuda(generator, case):
         assert out.numel() == 0
         if "value" in got:
             assert got["value"].abs().sum() == 0
+        return
+    if points32:
+        # the oracle has the very inputs: the output and grad_value differ from it by their
+        # rounding to half precision (grad_value's atomics may round a few times), the point
+        # gradients, summed in f32 from float32 points, as an f32 call's do
+        unit = 2.0 ** -8 if dtype == bf16 else 2.0 ** -11
+        assert rel_l2(out, expected_out) < unit
+        for name, g in got.items():
+            if nearest and name == "sampling_locations":
+                assert not g.any()
+            else:
+                assert g.dtype == (dtype if name == "value" else f32), name
+                assert rel_l2(g, expected[name]) < (4 * unit if name == "value" else 1e-5), name
         return
     if dtype in (f64, f32):
         bound = 1e-12 if dtype == f64 else 1e-5
