@@ -10,7 +10,9 @@
  * results do not depend on the thread count (the CPU backward is deterministic).
  * Numerics: ACC (accumulation, softmax) is f32 for f32/f16/bf16 and f64 for f64; positions are
  * computed in double, where they are exact. Halves are converted as they are loaded (half.h), the
- * grad_output row once per (b, q, h). Channel loops are innermost and contiguous.
+ * grad_output row once per (b, q, h). Channel loops are innermost and contiguous. With
+ * MSDA_POINTS_F32 the half kernels read locations and weights (or logits) as float32 and write
+ * their gradients as float32, testing the flag per point, outside the channel loops.
  * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply.
  * One thread, B=2 Q=300 H=8 C=32 L=4 P=4 f32, on the shared 2-core VM (noise +-30%): the tuned
  * plain op 2.5-4.5 ms forward / 12-17 ms backward; here with softmax 6.5-13 / 15-27 ms, nearest
@@ -206,24 +208,28 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
 #define SCALAR float
 #define ACC float
 #define ACC_EXP expf
+#define HALF_STORAGE 0
 #include "cpu_general.inc"
 
 #define GENERAL_SUFFIX f64
 #define SCALAR double
 #define ACC double
 #define ACC_EXP exp
+#define HALF_STORAGE 0
 #include "cpu_general.inc"
 
 #define GENERAL_SUFFIX f16
 #define SCALAR uint16_t
 #define ACC float
 #define ACC_EXP expf
+#define HALF_STORAGE 1
 #include "cpu_general.inc"
 
 #define GENERAL_SUFFIX bf16
 #define SCALAR uint16_t
 #define ACC float
 #define ACC_EXP expf
+#define HALF_STORAGE 1
 #include "cpu_general.inc"
 
 // ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@
  *   Per point (POINT_BWD): the four dot products with 32-byte vector lanes, reduced by a fixed
  *   tree; grad_value rows updated in place; rows prefetched ahead.
  * Numerics: f32 accumulation for f32/f16/bf16 (half values converted as loaded), f64 for f64.
+ *   With MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write their
+ *   gradients as float32 (POINTS_F32 and friends, c/half.h; the test: cpu_geometry.inc).
  *   Results do not depend on the thread count or the split: each grad_value row gets its terms
  *   in query order, the point gradients come from one compiled loop; only FMA contraction
  *   (x86-64-v3/v4 clones against the baseline) changes the last bits between machines.

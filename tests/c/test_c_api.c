@@ -5,6 +5,8 @@
  * - the half/bfloat16 conversions (c/half.h): every binary16 value round-trips, and float ->
  *   half/bf16 rounds to the nearest representable value, ties to even;
  * - a small CPU forward and backward against a direct double computation written here;
+ * - MSDA_POINTS_F32: refused without a half dtype; on the CPU, half values with float32
+ *   locations and weights give what dtype F32 gives on the same numbers, with every option;
  * - lying shape tables (sizes far beyond S) neither crash nor write outside the output;
  * - msda_level_starts derives level starts from sizes, lying sizes included.
  * Prints "N passed, N failed" and exits non-zero on any failure. */
@@ -296,6 +298,122 @@ static void test_cpu_forward_backward(void) {
     CHECK(fabs(lhs - rhs) < 1e-10 * (1 + fabs(rhs)), "grad_value identity %g vs %g", lhs, rhs);
 }
 
+static void test_points_f32_needs_half_dtype(void) {
+    double buf[64] = {0};
+    int64_t shapes[2] = {2, 2}, starts[1] = {0};
+    const int dtypes[2] = {MSDA_F32, MSDA_F64};
+    for (int d = 0; d < 2; d++) {
+        msda_args a = make_args(1, 4, 1, 1, 1, 1, 1, dtypes[d], MSDA_I64, -1, buf, shapes, starts,
+                                buf, buf);
+        a.flags = MSDA_POINTS_F32;
+        a.output = buf;
+        int st = msda_forward(&a);
+        CHECK(st == MSDA_ERR_INVALID_ARGUMENT && strstr(msda_last_error(), "MSDA_POINTS_F32"),
+              "forward, dtype %d with MSDA_POINTS_F32: %d %s", dtypes[d], st, msda_last_error());
+        a.output = NULL;
+        a.grad_output = buf;
+        a.grad_value = buf + 8;
+        a.grad_sampling_locations = buf + 16;
+        a.grad_attention_weights = buf + 24;
+        st = msda_backward(&a);
+        CHECK(st == MSDA_ERR_INVALID_ARGUMENT && strstr(msda_last_error(), "MSDA_POINTS_F32"),
+              "backward, dtype %d with MSDA_POINTS_F32: %d %s", dtypes[d], st, msda_last_error());
+    }
+}
+
+/* max |a - b| / max |b| over n elements */
+static double relative_difference(const float *a, const float *b, int64_t n) {
+    double diff = 0, scale = 0;
+    for (int64_t i = 0; i < n; i++) {
+        diff = fmax(diff, fabs((double)a[i] - b[i]));
+        scale = fmax(scale, fabs((double)b[i]));
+    }
+    return scale > 0 ? diff / scale : diff;
+}
+
+static void test_points_f32_matches_f32_cpu(void) {
+    /* MSDA_POINTS_F32 on the CPU: half values with float32 locations and weights give what dtype
+     * F32 gives on the same numbers (the half values widened). Both accumulate in f32, so the
+     * half output differs only by its final rounding to the half type, and the float32 gradients
+     * (grad_value is the f32 buffer in both) agree to float32 rounding. The locations are float32
+     * numbers no half type holds: a kernel that rounded them would fail. LP = 18 points: a full
+     * group of 16 and a partial one in the fast kernels; Q != S: the query order is sorted. */
+    enum { B = 2, H = 3, C = 11, L = 3, Q = 7, NP = 18, S = 45 };
+    enum { NV = B * S * H * C, NO = B * Q * H * C, NA = B * Q * H * NP };
+    const int64_t shapes[2 * L] = {4, 6, 2, 3, 3, 5}, starts[L] = {0, 24, 30};
+    const int64_t level_points[L] = {6, 9, 3}; /* NP in all, unevenly */
+    static uint16_t v16[NV], gout16[NO], out16[NO];
+    static float v[NV], gout[NO], out[NO], loc[2 * NA], loc_rounded[2 * NA], attn[NA];
+    static float gv16[NV], gloc16[2 * NA], gattn16[NA], gv[NV], gloc[2 * NA], gattn[NA];
+    const struct { const char *name; int flags, per_level; } options[] = {
+        {"plain", 0, 0}, {"nearest", MSDA_NEAREST, 0}, {"softmax", MSDA_SOFTMAX, 0},
+        {"level_points", 0, 1}};
+    const int dtypes[2] = {MSDA_F16, MSDA_BF16};
+    for (int d = 0; d < 2; d++) {
+        const int bf16 = dtypes[d] == MSDA_BF16;
+        const double unit = bf16 ? 1.0 / 256 : 1.0 / 2048; /* the type's rounding, relative */
+#define TO_HALF(x) (bf16 ? msda_float_to_bf16(x) : msda_float_to_half(x))
+#define FROM_HALF(h) (bf16 ? msda_bf16_to_float(h) : msda_half_to_float(h))
+        for (int i = 0; i < NV; i++)
+            v16[i] = TO_HALF((float)(urand() * 2 - 1)), v[i] = FROM_HALF(v16[i]);
+        for (int i = 0; i < NO; i++)
+            gout16[i] = TO_HALF((float)(urand() * 2 - 1)), gout[i] = FROM_HALF(gout16[i]);
+        for (int i = 0; i < 2 * NA; i++) {
+            loc[i] = (float)(urand() * 1.2 - 0.1);
+            loc_rounded[i] = FROM_HALF(TO_HALF(loc[i]));
+        }
+        for (int i = 0; i < NA; i++) attn[i] = (float)(urand() * 3 - 1);
+        for (size_t o = 0; o < sizeof options / sizeof options[0]; o++) {
+            const char *name = bf16 ? "bf16" : "f16", *option = options[o].name;
+            msda_args a = make_args(B, S, H, C, L, Q, options[o].per_level ? NP : NP / L,
+                                    dtypes[d], MSDA_I64, -1, v16, shapes, starts, loc, attn);
+            a.level_points = options[o].per_level ? level_points : NULL;
+            a.flags = options[o].flags | MSDA_POINTS_F32;
+            msda_args want = a; /* the same call in f32 */
+            want.dtype = MSDA_F32;
+            want.flags = options[o].flags;
+            want.value = v;
+
+            a.output = out16;
+            want.output = out;
+            int st = msda_forward(&a), st_want = msda_forward(&want);
+            CHECK(st == MSDA_OK && st_want == MSDA_OK, "%s %s forward: %d %d %s", name, option,
+                  st, st_want, msda_last_error());
+            double worst = 0, scale = 0;
+            for (int i = 0; i < NO; i++) scale = fmax(scale, fabs(out[i]));
+            for (int i = 0; i < NO; i++)
+                worst = fmax(worst, fabs(FROM_HALF(out16[i]) - out[i]) - unit * fabs(out[i]));
+            CHECK(worst <= 1e-6 * scale, "%s %s output: %g past the rounding of %g", name,
+                  option, worst, scale);
+
+            a.output = want.output = NULL;
+            a.grad_output = gout16, a.grad_value = gv16;
+            a.grad_sampling_locations = gloc16, a.grad_attention_weights = gattn16;
+            want.grad_output = gout, want.grad_value = gv;
+            want.grad_sampling_locations = gloc, want.grad_attention_weights = gattn;
+            st = msda_backward(&a), st_want = msda_backward(&want);
+            CHECK(st == MSDA_OK && st_want == MSDA_OK, "%s %s backward: %d %d %s", name, option,
+                  st, st_want, msda_last_error());
+            const double e_value = relative_difference(gv16, gv, NV);
+            const double e_loc = relative_difference(gloc16, gloc, 2 * NA);
+            const double e_attn = relative_difference(gattn16, gattn, NA);
+            CHECK(e_value <= 1e-6 && e_loc <= 1e-6 && e_attn <= 1e-6,
+                  "%s %s gradients: relative differences value %g locations %g weights %g", name,
+                  option, e_value, e_loc, e_attn);
+            if (options[o].flags == 0 && !options[o].per_level) {
+                /* the check can tell: locations rounded to the half type move the gradients */
+                want.sampling_locations = loc_rounded;
+                msda_backward(&want);
+                CHECK(relative_difference(gattn16, gattn, NA) > 1e-4,
+                      "%s: rounding the locations changes nothing (%g)", name,
+                      relative_difference(gattn16, gattn, NA));
+            }
+        }
+#undef TO_HALF
+#undef FROM_HALF
+    }
+}
+
 static void test_lying_shapes_stay_in_bounds(void) {
     /* S = 4 but the table claims a 2^40 x 2^40 level starting at a negative offset and a level
      * starting past S: the call must succeed, reading and writing only inside the buffers
@@ -365,6 +483,8 @@ int main(void) {
     test_error_text_is_per_thread();
     test_half_conversions();
     test_cpu_forward_backward();
+    test_points_f32_needs_half_dtype();
+    test_points_f32_matches_f32_cpu();
     test_lying_shapes_stay_in_bounds();
     test_level_starts();
     printf("%d passed, %d failed\n", passed, failed);
