@@ -232,9 +232,10 @@ def test_mmcv_function_apply_matches_oracle(generator, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16])
-def test_mmcv_locations_and_weights_follow_value_dtype(generator, device, value_dtype):
-    """mmcv casts sampling_locations and attention_weights to value's dtype (AMP): the output
-    and the value gradient have value's dtype, the others keep their own."""
+def test_mmcv_follows_the_dtype_rule(generator, device, value_dtype):
+    """mmcv casts sampling_locations and attention_weights to value's dtype (AMP); the drop-in
+    follows ms_deform_attn's rule instead (float32 points read as float32), with mmcv's output
+    and gradient dtypes: value's for the output and its gradient, their own for the others."""
     inputs = plain_inputs(generator, device)
     value = inputs["value"].to(value_dtype).requires_grad_(True)
     loc = inputs["sampling_locations"].float().requires_grad_(True)
@@ -242,9 +243,8 @@ def test_mmcv_locations_and_weights_follow_value_dtype(generator, device, value_
     out = mmcv.MultiScaleDeformableAttnFunction.apply(
         value, inputs["spatial_shapes"], inputs["level_start_index"], loc, attn, 64)
     assert out.dtype == value_dtype and out.shape == (2, 6, 8)
-    expected = mmcv.MultiScaleDeformableAttnFunction.apply(
-        value.detach(), inputs["spatial_shapes"], inputs["level_start_index"],
-        loc.detach().to(value_dtype), attn.detach().to(value_dtype), 64)
+    expected = pymsda.ms_deform_attn(value.detach(), inputs["spatial_shapes"],
+                                     inputs["level_start_index"], loc.detach(), attn.detach())
     assert torch.equal(out, expected)
     out.float().sum().backward()
     assert value.grad.dtype == value_dtype and loc.grad.dtype == torch.float32

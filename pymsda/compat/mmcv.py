@@ -2,9 +2,11 @@
 
     MultiScaleDeformableAttnFunction.apply(value, value_spatial_shapes, value_level_start_index,
                                            sampling_locations, attention_weights, im2col_step)
-        -> (bs, num_queries, num_heads * embed_dims_per_head); sampling_locations and
-        attention_weights are cast to value's dtype first, as mmcv does (so under AMP an f16
-        value with f32 weights runs in f16)
+        -> (bs, num_queries, num_heads * embed_dims_per_head). mmcv casts
+        sampling_locations and attention_weights to value's dtype; this follows
+        ms_deform_attn's dtype rule instead (float32 points with a half value are read as
+        float32), so under AMP it is more precise than mmcv, never less; output and gradient
+        dtypes are mmcv's
     multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
                                         attention_weights)      (the pure-PyTorch path)
 """
@@ -21,8 +23,7 @@ class MultiScaleDeformableAttnFunction:
     def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
               attention_weights, im2col_step=64):
         return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
-                              sampling_locations.type_as(value),
-                              attention_weights.type_as(value), im2col_step)
+                              sampling_locations, attention_weights, im2col_step)
 
 
 def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
