@@ -15,7 +15,8 @@ f64 for f64, then cast) and calls rotate among them so that no set stays cached.
 calls, every call is timed on its own: CUDA event pairs on the GPU, time.perf_counter on the CPU.
 On the GPU a sleep kernel holds the device while the host queues all timed calls, so the events
 measure the GPU's time per call rather than the host's launch overhead (--overhead measures that).
-A time is the median over reps * sets calls.
+A time is the median over reps * sets calls; the table gives the 10th and 90th percentiles
+beside it (the spread of the calls).
 
 Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
 centre for an encoder (Q = S, queries in value order), uniform in [0.05, 0.95]^2 for a decoder;
@@ -184,16 +185,24 @@ def pass_calls(op, input_sets, pass_name):
 
 
 def median_ms(calls, reps, device, warmup):
-    """Median milliseconds of one call, over reps rounds of every call in turn, after warmup calls.
-    Python's cyclic garbage collector is off while the calls run, as timeit has it: a collection
-    that happens to fall into one call would charge that call with the whole process's garbage."""
+    """Median milliseconds of one call, over reps rounds of every call in turn, after warmup calls."""
+    return time_ms(calls, reps, device, warmup)[0]
+
+
+def time_ms(calls, reps, device, warmup):
+    """(median, 10th, 90th percentile) milliseconds of one call, over reps rounds of every call in
+    turn, after warmup calls. Python's cyclic garbage collector is off while the calls run, as
+    timeit has it: a collection that happens to fall into one call would charge that call with
+    the whole process's garbage."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _median_ms(calls, reps, device, warmup)
+        times = sorted(_times_ms(calls, reps, device, warmup))
     finally:
         if enabled:
             gc.enable()
+    n = len(times)
+    return statistics.median(times), times[int(0.1 * (n - 1))], times[int(round(0.9 * (n - 1)))]
 
 
 # If the host falls behind the GPU while queuing the timed calls (the sleep kernel ended too
@@ -212,7 +221,7 @@ def queue_ran_dry(gaps_ms):
     return sum(g > QUEUE_GAP_MS for g in gaps_ms) > len(gaps_ms) // 10
 
 
-def _median_ms(calls, reps, device, warmup):
+def _times_ms(calls, reps, device, warmup):
     for i in range(warmup):
         calls[i % len(calls)]()
     if device.type == "cuda":
@@ -241,14 +250,14 @@ def _median_ms(calls, reps, device, warmup):
             torch.cuda.synchronize(device)
             if not queue_ran_dry([a[1].elapsed_time(b[0]) for a, b in zip(events, events[1:])]):
                 break
-        return statistics.median(start.elapsed_time(end) for start, end in events)
+        return [start.elapsed_time(end) for start, end in events]
     times = []
     for _ in range(reps):
         for call in calls:
             start = time.perf_counter()
             call()
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def _failure(error):
@@ -427,15 +436,17 @@ def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, c
 
 def _time_pass(input_sets, pass_name, reps, device, warmup, reference, op=_pymsda):
     """The timing columns of one row; a failing reference gives "n/a" and its reason."""
-    row = {"pass": pass_name, "reference_ms": None, "reference_note": None, "speedup": None}
-    row["pymsda_ms"] = median_ms(pass_calls(op, input_sets, pass_name), reps, device, warmup)
+    row = {"pass": pass_name, "reference_ms": None, "reference_p10_p90_ms": None,
+           "reference_note": None, "speedup": None}
+    row["pymsda_ms"], *row["pymsda_p10_p90_ms"] = time_ms(pass_calls(op, input_sets, pass_name),
+                                                         reps, device, warmup)
     _free(device)
     if not reference:
         row["reference_note"] = "not run"
         return row
     try:
-        row["reference_ms"] = median_ms(pass_calls(ms_deform_attn_pytorch, input_sets, pass_name),
-                                        reps, device, warmup)
+        row["reference_ms"], *row["reference_p10_p90_ms"] = time_ms(
+            pass_calls(ms_deform_attn_pytorch, input_sets, pass_name), reps, device, warmup)
         row["speedup"] = row["reference_ms"] / row["pymsda_ms"]
     except Exception as error:  # recorded in the row; the run goes on
         row["reference_note"] = _failure(error)
@@ -453,8 +464,11 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     cuda = device.type == "cuda"
     shapes = shapes if shapes is not None else load_shapes()["gpu" if cuda else "cpu"]
     dtypes = list(dtypes or (["f32", "bf16", "f16"] if cuda else ["f32"]))
-    reps = reps or (30 if cuda else 5)
-    warmup = max(5, sets) if cuda else sets  # every input set at least once
+    # CPU: a process's first backward calls can take several times the later ones (the first
+    # touch of a fresh gradient buffer's huge pages), so 10 calls warm up and the median is of
+    # 20 * sets calls (two back-to-back runs then agree within ~10% on a quiet host)
+    reps = reps or (30 if cuda else 20)
+    warmup = max(5, sets) if cuda else max(10, sets)  # every input set at least once
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
     metadata = environment(device, command)
     settings = dict(device=str(device), dtypes=dtypes, dist=dist, passes=list(passes), reps=reps,
@@ -514,7 +528,7 @@ def main(argv=None):
                         help="comma list of f32,bf16,f16,f64 (default: f32,bf16,f16 on cuda, f32 on cpu)")
     parser.add_argument("--dist", choices=DISTRIBUTIONS, default="realistic")
     parser.add_argument("--pass", dest="passes", type=_comma_list(PASSES), default=list(PASSES))
-    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda, 5 on cpu)")
+    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda, 20 on cpu)")
     parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")

@@ -25,8 +25,15 @@ def _number(x, fmt=".1e"):
     return "n/a" if x is None else format(x, fmt)
 
 
+def _timed(row, who):
+    """A row's median time with its 10th-90th percentile spread, when the row has one."""
+    spread = row.get(who + "_p10_p90_ms")
+    text = f"{row[who + '_ms']:.3f}"
+    return text + (f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else "")
+
+
 def format_table(result):
-    header = ["shape", "dtype", "pass", "pymsda ms", "reference ms", "speed-up", "error",
+    header = ["shape", "dtype", "pass", "pymsda ms (p10-p90)", "reference ms (p10-p90)", "speed-up", "error",
               "ref error", "grad_value", "grad_loc", "grad_attn", "ref grad_value",
               "ref grad_loc", "ref grad_attn"]
     lines, previous = [], None
@@ -34,10 +41,10 @@ def format_table(result):
         errors = row["errors"]
         first = (row["shape"], row["dtype"]) != previous
         previous = (row["shape"], row["dtype"])
-        reference = (_number(row["reference_ms"], ".3f") if row["reference_ms"] is not None
+        reference = (_timed(row, "reference") if row["reference_ms"] is not None
                      else f"n/a ({row['reference_note']})")
         lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
-                      f"{row['pymsda_ms']:.3f}", reference,
+                      _timed(row, "pymsda"), reference,
                       _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
                       *(_number(errors[k]) if first else "" for k in ERROR_KEYS)])
     widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]

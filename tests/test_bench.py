@@ -25,8 +25,8 @@ TINY_SHAPES = {
 # The fixture's bf16 rows time and measure the reference too, which torch 1.13 cannot run.
 needs_bf16_reference = requires_torch_feature(
     grid_sample_supports(torch.bfloat16), "bfloat16 grid_sample on the CPU (the bf16 rows' reference)")
-ROW_KEYS = {"shape", "dtype", "dist", "pass", "pymsda_ms", "reference_ms", "reference_note",
-            "speedup", "errors"}
+ROW_KEYS = {"shape", "dtype", "dist", "pass", "pymsda_ms", "pymsda_p10_p90_ms", "reference_ms",
+            "reference_p10_p90_ms", "reference_note", "speedup", "errors"}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,9 @@ def test_run_gives_one_row_per_shape_dtype_and_pass_with_the_expected_keys(resul
         assert set(row) == ROW_KEYS
         assert set(bench.ERROR_KEYS) <= set(row["errors"])
         assert row["pymsda_ms"] > 0 and row["reference_ms"] > 0
+        for who in ("pymsda", "reference"):  # the spread brackets the median
+            low, high = row[who + "_p10_p90_ms"]
+            assert 0 < low <= row[who + "_ms"] <= high
         assert row["speedup"] == pytest.approx(row["reference_ms"] / row["pymsda_ms"])
     assert {"date", "device", "driver", "torch", "cuda", "library", "commit", "command"} <= set(
         result["metadata"])
