@@ -118,20 +118,9 @@ cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t by
 // entry points
 
 extern "C" int msda_cuda_backward(const msda_problem *pr) {
-    static const char fn[] = "msda_backward";
-    DeviceGuard guard;
-    MSDA_CUDA_CHECK(fn, guard.select(pr->device));
-    cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
-    cudaStream_t stream = (cudaStream_t)pr->stream;
-    switch (pr->dtype) {
-    case MSDA_F32: MSDA_CUDA_CHECK(fn, msda_backward_launch_f32(pr, stream)); break;
-    case MSDA_F64: MSDA_CUDA_CHECK(fn, msda_backward_launch_f64(pr, stream)); break;
-    case MSDA_F16: MSDA_CUDA_CHECK(fn, msda_backward_launch_f16(pr, stream)); break;
-    case MSDA_BF16: MSDA_CUDA_CHECK(fn, msda_backward_launch_bf16(pr, stream)); break;
-    default: return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
-    }
-    MSDA_CUDA_CHECK(fn, cudaGetLastError());
-    return MSDA_OK;
+    static const msda_launcher by_dtype[4] = {msda_backward_launch_f32, msda_backward_launch_f64,
+                                              msda_backward_launch_f16, msda_backward_launch_bf16};
+    return run_launcher("msda_backward", pr, by_dtype);
 }
 
 extern "C" int64_t msda_cuda_workspace_size(const msda_problem *pr) {

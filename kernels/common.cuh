@@ -223,6 +223,24 @@ struct DeviceGuard {
     }
 };
 
+/* A launcher of one dtype's kernels on a stream. */
+typedef cudaError_t (*msda_launcher)(const msda_problem *pr, cudaStream_t stream);
+
+/* The frame of a CUDA entry point: `device` made current, an error an earlier call of this
+ * thread left behind cleared, the launcher of pr->dtype run on pr->stream (by_dtype indexed by
+ * msda_dtype: F32, F64, F16, BF16), and the launch checked. */
+static inline int run_launcher(const char *fn, const msda_problem *pr,
+                               const msda_launcher (&by_dtype)[4]) {
+    DeviceGuard guard;
+    MSDA_CUDA_CHECK(fn, guard.select(pr->device));
+    cudaGetLastError();
+    if (pr->dtype < 0 || pr->dtype > 3)
+        return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
+    MSDA_CUDA_CHECK(fn, by_dtype[pr->dtype](pr, (cudaStream_t)pr->stream));
+    MSDA_CUDA_CHECK(fn, cudaGetLastError());
+    return MSDA_OK;
+}
+
 /* Blocks for a grid-stride loop over `items` warps of 32 threads, 256 threads a block. */
 static inline unsigned int warp_blocks(int64_t items) {
     const int64_t warps_per_block = 8;

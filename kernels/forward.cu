@@ -181,18 +181,7 @@ template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStre
 // entry point
 
 extern "C" int msda_cuda_forward(const msda_problem *pr) {
-    static const char fn[] = "msda_forward";
-    DeviceGuard guard;
-    MSDA_CUDA_CHECK(fn, guard.select(pr->device));
-    cudaGetLastError(); /* clear an error an earlier call of this thread left behind */
-    cudaStream_t stream = (cudaStream_t)pr->stream;
-    switch (pr->dtype) {
-    case MSDA_F32: MSDA_CUDA_CHECK(fn, launch<float>(pr, stream)); break;
-    case MSDA_F64: MSDA_CUDA_CHECK(fn, launch<double>(pr, stream)); break;
-    case MSDA_F16: MSDA_CUDA_CHECK(fn, launch<__half>(pr, stream)); break;
-    case MSDA_BF16: MSDA_CUDA_CHECK(fn, launch<__nv_bfloat16>(pr, stream)); break;
-    default: return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
-    }
-    MSDA_CUDA_CHECK(fn, cudaGetLastError());
-    return MSDA_OK;
+    static const msda_launcher by_dtype[4] = {launch<float>, launch<double>, launch<__half>,
+                                              launch<__nv_bfloat16>};
+    return run_launcher("msda_forward", pr, by_dtype);
 }
