@@ -43,7 +43,8 @@
  *     torch.autocast hands a half-precision model: value from a half linear layer, locations
  *     and softmaxed weights in float32). Coordinates and weights are then computed from the
  *     float32 numbers, so no location is rounded to the value's 8 or 11 bits. value, output,
- *     grad_output and grad_value keep `dtype`.
+ *     grad_output and grad_value keep `dtype`; grad_value is summed in float32 and rounded
+ *     once (on CUDA in the workspace: msda_backward_workspace_size).
  *
  * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
  * point returns an msda_status; on failure msda_last_error() holds this thread's error text.

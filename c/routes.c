@@ -19,9 +19,13 @@ int msda_fast_group(const msda_problem *pr) {
     return (int)G;
 }
 
+/* A half grad_value is summed in an f32 buffer by code older than sm_90 (no half vector
+ * atomics), and by every code for float32 points (MSDA_POINTS_F32: autocast's inputs), whose
+ * gradients must lose no more than value's rounding: half atomics round each partial sum
+ * (grad_value error 2-4.5x value's rounding at the benchmark shapes, kernels/TUNING.md). */
 int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code) {
     return is_half(pr->dtype) && pr->grad_value && !(pr->flags & MSDA_DETERMINISTIC) &&
-           !sm90_code;
+           (!sm90_code || (pr->flags & MSDA_POINTS_F32));
 }
 
 /* One block per `per_block` consecutive items (capped at 2^31 - 1 blocks; the kernels stride). */
@@ -65,6 +69,9 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         return;
     }
     const int opt = msda_needs_general(pr);
+    /* float32 points summing grad_value in the f32 workspace: the per-point kernel (the sliced
+     * and pipelined forms are built for the half atomics only) */
+    const int ws_points = (pr->flags & MSDA_POINTS_F32) && pr->grad_value && !det;
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
      * value rows; decoders (a few hundred scattered queries) measured slower there */
     const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
@@ -77,7 +84,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         plan->kernel = MSDA_ROUTE_AGGREGATED;
         plan->blocks = item_blocks(items, 512 / G); /* two items a group of G threads */
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!det && !opt && plan->slices > 1 && pr->dtype != MSDA_F16) {
+    } else if (!det && !opt && !ws_points && plan->slices > 1 && pr->dtype != MSDA_F16) {
         /* sliced points scattered after the zeroing: H100 ddetr_dec f32 / bf16 backward 0.0422
          * / 0.0291 ms against 0.0435 / 0.0297 for the per-point kernel with sliced points; f16
          * lost (0.0290 against 0.0287) and takes that kernel */
@@ -87,7 +94,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
         plan->blocks = item_blocks(items, 256 / (2 * G));
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!det && !opt && !aggregates && pr->dtype == MSDA_BF16) {
+    } else if (!det && !opt && !ws_points && !aggregates && pr->dtype == MSDA_BF16) {
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
     } else {
         plan->kernel = MSDA_ROUTE_POINT;

@@ -102,6 +102,17 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan 
     case MSDA_ROUTE_POINT: {
         const cudaError_t e = memset_grad_value(pr, bytes, stream);
         if (e != cudaSuccess) return e;
+        if constexpr (!DET && IsHalf<T>::value) {
+            if (pr->flags & MSDA_POINTS_F32) { /* the f32 workspace (WS) */
+                if (opt)
+                    msda_backward_fast<T, G, false, true, false, 4, false, true>
+                        <<<grid, 256, 0, stream>>>(*pr);
+                else
+                    msda_backward_fast<T, G, false, false, false, 4, false, true>
+                        <<<grid, 256, 0, stream>>>(*pr);
+                return cudaSuccess;
+            }
+        }
         if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
         else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
         return cudaSuccess;
@@ -128,7 +139,14 @@ static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_pl
     if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
-    msda_backward_kernel<T, DET><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    const unsigned int blocks = warp_blocks(pr->B * pr->Q * pr->H);
+    if constexpr (!DET && IsHalf<T>::value) {
+        if (pr->flags & MSDA_POINTS_F32) { /* the f32 workspace (WS) */
+            msda_backward_kernel<T, false, true><<<blocks, 256, 0, stream>>>(*pr);
+            return cudaSuccess;
+        }
+    }
+    msda_backward_kernel<T, DET><<<blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
@@ -138,14 +156,15 @@ static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) 
     const msda_backward_plan plan = plan_of(pr);
     if (plan.modifiers & MSDA_ROUTE_F32_WORKSPACE) {
         if constexpr (IsHalf<T>::value) {
-            /* the kernels scatter into the f32 buffer, then it is converted */
+            /* the kernels zero the f32 buffer (as they would grad_value) and scatter into it,
+             * then it is converted */
             msda_problem buffered = *pr;
             buffered.grad_value = pr->workspace;
-            cudaError_t e = cudaMemsetAsync(pr->workspace, 0, (size_t)n_value * 4, stream);
-            if (e == cudaSuccess && plan.kernel != MSDA_ROUTE_NONE)
-                e = launch_kernels<T, false>(&buffered, plan, stream, 0);
+            cudaError_t e = plan.kernel == MSDA_ROUTE_NONE
+                                ? memset_grad_value(&buffered, n_value * 4, stream)
+                                : launch_kernels<T, false>(&buffered, plan, stream, n_value * 4);
             if (e != cudaSuccess) return e;
-            half_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
+            half_convert_kernel<T><<<flat_blocks((n_value + 7) / 8), 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
         return cudaErrorNotSupported;

@@ -96,7 +96,7 @@ template <int G> struct StageAgg {
  * 16-byte atomic per half, or one half-precision vector reduction. s_go is indexed as float4s
  * of the shared array itself (a generic pointer into it had the compiler recompute shared
  * addresses in every step of the walk). */
-template <typename T, int G> struct RowSums {
+template <typename T, int G, bool NATIVE> struct RowSums {
     int odd, h0, h1, q0, q1;
     float v[8], a0[4], a1[4];
     __device__ __forceinline__ RowSums(int walker, int part, long long *, float)
@@ -130,7 +130,7 @@ template <typename T, int G> struct RowSums {
         return d0 + d1;
     }
     __device__ __forceinline__ void flush(const msda_problem &pr, int key) {
-        if constexpr (NativeHalf<T, false>::value) {
+        if constexpr (NATIVE) {
             float a8[8]; /* the lane's 8 channels in order: odd walkers hold them swapped */
 #pragma unroll
             for (int q = 0; q < 4; q++) {
@@ -403,8 +403,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                * with the full mask */
                 constexpr int WG = G / 2, WPB = 256 / WG;
                 const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
-                typename std::conditional<DET, DetRowSums<T, G>, RowSums<T, G>>::type sums(
-                    walker, part, det_acc, scale);
+                /* half sums straight into grad_value unless the points are f32 (common.cuh) */
+                constexpr bool NATIVE =
+                    NativeHalf<T, false>::value && !std::is_same<P, float>::value;
+                typename std::conditional<DET, DetRowSums<T, G>, RowSums<T, G, NATIVE>>::type
+                    sums(walker, part, det_acc, scale);
                 /* FULL: compile-time true (so the walk tests no pointer) */
                 const bool want_gv = DET ? det_acc != nullptr : FULL || pr.grad_value;
                 if (!DET && want_gv)

@@ -63,13 +63,22 @@ __global__ void __launch_bounds__(256) det_convert_kernel(msda_problem pr) {
         grad_value[j] = from_acc<T>((Acc)((double)det_acc[j] * inv)); /* scale: a power of two */
 }
 
-/* Half types without NativeHalf, last step: grad_value (T) = the f32 buffer in the workspace. */
+/* Half types without NativeHalf, last step: grad_value (T) = the f32 buffer in the workspace,
+ * 8 elements a step (two 16-byte loads, one 16-byte store) where both are 16-byte aligned. */
 template <typename T>
 __global__ void __launch_bounds__(256) half_convert_kernel(msda_problem pr) {
     const float *acc = (const float *)pr.workspace;
     T *grad_value = (T *)pr.grad_value;
     const int64_t n = pr.B * pr.S * pr.H * pr.C;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
+    const int64_t n8 = (((uintptr_t)acc | (uintptr_t)grad_value) & 15) ? 0 : n / 8;
+    for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n8; j += stride) {
+        const float4 a = reinterpret_cast<const float4 *>(acc)[2 * j];
+        const float4 b = reinterpret_cast<const float4 *>(acc)[2 * j + 1];
+        reinterpret_cast<uint4 *>(grad_value)[j] =
+            make_uint4(pack2(grad_value, a.x, a.y), pack2(grad_value, a.z, a.w),
+                       pack2(grad_value, b.x, b.y), pack2(grad_value, b.z, b.w));
+    }
+    for (int64_t j = n8 * 8 + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
         grad_value[j] = from_acc<T>(acc[j]);
 }

@@ -10,12 +10,12 @@
 #include "backward_common.cuh"
 
 /* DET: grad_value goes to the workspace's 64-bit fixed-point accumulator (see common.cuh).
- * Half types: grad_value is T with NativeHalf (one 2-byte atomic a channel and corner), else the
- * f32 buffer the host put in its place. */
-template <typename T, bool DET>
+ * Half types: grad_value is T with NativeHalf unless WS (one 2-byte atomic a channel and corner),
+ * else the f32 buffer the host put in its place (WS: float32 points, c/routes.c). */
+template <typename T, bool DET, bool WS = false>
 __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
-    constexpr bool NATIVE = NativeHalf<T, DET>::value;
+    constexpr bool NATIVE = NativeHalf<T, DET>::value && !WS;
     const T *value = (const T *)pr.value;
     const PointTensor<T> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
     const T *gout = (const T *)pr.grad_output;

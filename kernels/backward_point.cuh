@@ -115,8 +115,10 @@ template <> struct Carried<__nv_bfloat16, 4> {
 
 /* SPLIT (plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
  * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
- * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
-template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4, bool PIPE = false>
+ * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is.
+ * WS: a half grad_value summed in the f32 workspace on every code (float32 points). */
+template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4, bool PIPE = false,
+          bool WS = false>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr int V = VV;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
@@ -131,7 +133,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     const int g = threadIdx.x % G, local = threadIdx.x / G;
     const T *value = (const T *)pr.value + g * V;
     const T *gout = (const T *)pr.grad_output;
-    constexpr bool NATIVE = NativeHalf<T, DET>::value;
+    constexpr bool NATIVE = NativeHalf<T, DET>::value && !WS;
     float *grad_value = pr.grad_value ? (float *)pr.grad_value + g * V : nullptr;
     T *grad_value_t = (T *)pr.grad_value + g * V; /* NATIVE */
     long long *det_acc = nullptr;

@@ -13,7 +13,8 @@ than 4 * 2^k up to 128, more than 2^31 value elements, misaligned tensors), 'poi
 per-point kernel), 'point_sliced' (few items: each item's points split over several blocks),
 'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders: corners merged
 per value row). Modifiers: deterministic (fixed-point sums in a workspace) and f32_workspace (a
-half-precision grad_value summed in float32 where the GPU code predates sm_90).
+half-precision grad_value summed in float32: where the GPU code predates sm_90, and on every GPU
+for float32 points, autocast's call).
 """
 import collections
 
@@ -30,11 +31,13 @@ _GRAD_BITS = {"value": 1, "sampling_locations": 2, "attention_weights": 4}
 
 def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
                    softmax=False, deterministic=False, grads=ALL_GRADS, aligned=True,
-                   device=None, multiprocessors=None, sm90_code=None):
+                   device=None, multiprocessors=None, sm90_code=None, points_dtype=None):
     """The Route the CUDA backward takes for these sizes (as in ms_deform_attn: value
     (B, S, H, C), L levels, Q queries, P points per level, or per-level counts in
-    num_points_list with P their sum), dtype, options and wanted gradients (names from
-    ALL_GRADS). aligned: value, grad_output and grad_value 16-byte aligned (torch's
+    num_points_list with P their sum), dtype (value's), options and wanted gradients (names from
+    ALL_GRADS). points_dtype: that of sampling_locations and attention_weights (default:
+    value's; float32 with a half value is autocast's call, whose grad_value is summed in
+    float32). aligned: value, grad_output and grad_value 16-byte aligned (torch's
     allocations are). The GPU: give multiprocessors and sm90_code (whether the code it runs is
     built for sm_90 or newer) to ask without one, or a CUDA device (default: the current one)."""
     if dtype not in _DTYPE_CODE:
@@ -59,8 +62,12 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
         index = torch.device(device if device is not None else "cuda").index
         index = torch.cuda.current_device() if index is None else index
         multiprocessors, sm90_code = 0, -1
+    flags = _flags(sampling, softmax, deterministic)
+    if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
+                                                                           torch.bfloat16):
+        flags |= _lib.FLAG_POINTS_F32  # (_plan._points: float32 points)
     args = _lib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
-                          device=index, flags=_flags(sampling, softmax, deterministic),
+                          device=index, flags=flags,
                           level_points=level_points)
     route = _lib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
                                          int(bool(aligned)), multiprocessors, sm90_code)

@@ -80,6 +80,20 @@ TABLE = [
     # aggregated: encoders (Q * L * P >= 2 * S) with 16 or more channels
     ("f32 ddetr_enc", dict(dtype=f32, Q=19947), R("aggregated")),
     ("f16 ddetr_enc", dict(dtype=f16, Q=19947), R("aggregated")),
+    # float32 points with a half value (autocast's call): grad_value summed in float32 on sm_90
+    ("bf16 ddetr_enc f32 points", dict(dtype=bf16, Q=19947, points_dtype=f32),
+     R("aggregated", False, True)),
+    ("f16 dino_dec900 f32 points", dict(dtype=f16, Q=900, points_dtype=f32),
+     R("point", False, True)),
+    ("bf16 dino_dec900 f32 points (not pipelined)", dict(dtype=bf16, Q=900, points_dtype=f32),
+     R("point", False, True)),
+    ("bf16 ddetr_dec f32 points (not sliced)", dict(dtype=bf16, Q=300, points_dtype=f32),
+     R("point", False, True)),
+    ("bf16 ddetr_dec f32 points deterministic", dict(dtype=bf16, Q=300, points_dtype=f32,
+                                                     deterministic=True), R("point", True)),
+    ("bf16 f32 points without grad_value", dict(dtype=bf16, Q=900, points_dtype=f32,
+                                                grads=("sampling_locations",)),
+     R("point_pipelined")),
     ("bf16 encoder softmax", dict(dtype=bf16, Q=19947, softmax=True), R("aggregated")),
     ("f32 encoder deterministic", dict(dtype=f32, Q=19947, deterministic=True),
      R("aggregated", True)),
@@ -155,7 +169,8 @@ GPU_CASES = [
 GRADS = {"all": ALL_GRADS, "value": ("value",), "points": ("sampling_locations",
                                                           "attention_weights")}
 # (deterministic concerns grad_value only: without it the route is another's); half dtypes
-# also with float32 points (MSDA_POINTS_F32, autocast's inputs), which take the same routes
+# also with float32 points (MSDA_POINTS_F32, autocast's inputs), which take the same routes but
+# for the sliced and pipelined ones (the per-point kernel where grad_value is wanted)
 GPU_PARAMS = [(kernel, dtype, C, Q, P, options, det, grads, points32)
               for kernel, dtypes, C, Q, P, options, det in GPU_CASES for dtype in dtypes
               for grads in GRADS if not (det and grads == "points")
@@ -171,18 +186,21 @@ def _gpu_id(p):
 
 @requires_cuda
 @pytest.mark.parametrize("case", GPU_PARAMS, ids=[_gpu_id(p) for p in GPU_PARAMS])
-def test_each_route_matches_f64_oracle_cuda(generator, case):
+def test_each_route_matches_f64_oracle_cuda(generator, case, fused_softmax):
     kernel, dtype, C, Q, P, options, det, grads, points32 = case
     grads = GRADS[grads]
     L = len(SHAPES)
     got_route = backward_route(2, S_SMALL, 3, C, L, Q, P, dtype, deterministic=det,
-                               grads=grads, **options)
+                               grads=grads, points_dtype=f32 if points32 else None, **options)
+    if points32 and "value" in grads and not det and kernel in ("point_sliced", "point_pipelined"):
+        kernel = "point"  # grad_value in the f32 workspace: the per-point kernel (c/routes.c)
     assert got_route.kernel == kernel and got_route.deterministic == (det and "value" in grads
                                                                       and Q > 0), got_route
-    # the f32 workspace: half precision, grad_value wanted, atomic, and code older than sm_90
+    # the f32 workspace: half precision, grad_value wanted, atomic, and float32 points or code
+    # older than sm_90
     half_in_f32 = backward_route(1, 1, 1, 4, 1, 1, 1, f16).f32_workspace
     assert got_route.f32_workspace == (dtype in (f16, bf16) and "value" in grads and not det
-                                       and half_in_f32), got_route
+                                       and (half_in_f32 or points32)), got_route
     softmax = options.get("softmax", False)
     nearest = options.get("sampling") == "nearest"
     inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L,
