@@ -54,6 +54,25 @@ def _points(dtype, loc, attn):
     return loc if loc.dtype is to else loc.to(to), attn if attn.dtype is to else attn.to(to)
 
 
+def _softmax_points(value, loc, attn):
+    """softmax=True: attention_weights (logits) softmaxed over each (query, head)'s points, to
+    be passed to the plain op. The composition's backward is the faster (kernels/TUNING.md:
+    softmax=True). The softmax runs in the dtype the op reads the points in (_points), so
+    logits that are widened to float32 are widened first; it is torch's own softmax otherwise
+    (under autocast, float32)."""
+    x = attn.flatten(3) if attn.dim() == 5 else attn  # (B, Q, H, L * P) or (B, Q, H, N)
+    dtype = value.dtype
+    to = attn.dtype if loc.dtype is dtype and attn.dtype is dtype else (
+        _F32 if dtype in _HALF else dtype)
+    if to is not attn.dtype:
+        x = x.softmax(-1, dtype=to)
+    elif to in _HALF and x.device.type == "cpu":  # (torch 1.13 has no half softmax on the CPU)
+        x = x.softmax(-1, dtype=_F32).to(to)
+    else:
+        x = x.softmax(-1)
+    return x.view(attn.shape)
+
+
 def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
     """The common call (tensors of one dtype in the plain layout on a device the library serves,
     level tables seen before) in one pass: the arguments of _autograd._run, or None when

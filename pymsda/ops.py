@@ -13,7 +13,7 @@ from ._autograd import _MetaMSDA, _has_cuda_kernels, _reference, _run
 from ._checks import _Tensor, _deterministic_algorithms, _dispatch_modes, _flags, _is_compiling, \
     _traced
 from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
-from ._plan import _common, _prepare
+from ._plan import _common, _prepare, _softmax_points
 
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
 
@@ -42,7 +42,10 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
             (clamp(floor(x * W_l + 0.5), 0, W_l - 1), clamp(floor(y * H_l + 0.5), 0, H_l - 1)),
             RT-DETRv2's "discrete" method; the location gradient is then 0.
         softmax: attention_weights are logits; the op applies the softmax over all points of
-            each (query, head) itself (forward and backward), saving a separate kernel.
+            each (query, head) first: torch's softmax, then the plain op (measured faster than
+            the library's fused softmax in the backward, and no slower than the caller's own
+            composition; kernels/TUNING.md). It runs in the dtype the points are read in (the
+            dtype rule below), or in torch's choice (float32 under autocast).
         deterministic: bitwise reproducible gradients (grad_value accumulated in 64-bit fixed
             point on CUDA, with a workspace of 8 bytes per value element; the CPU backward is
             deterministic anyway). None (default) follows
@@ -64,7 +67,8 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         grid = 2 * loc - 1. Mixed dtypes: see the dtype rule below. Differentiable with respect to value, sampling_locations and
         attention_weights. Half precision accumulates in float32; on CUDA (sm_90 and newer) the
         float32 sums of grad_value are added into the half-precision gradient with atomics,
-        each rounded once as it is added (deterministic=True rounds each element once).
+        each rounded once as it is added (deterministic=True, and float32 points, the dtype
+        rule below, round each element once).
         Empty batches or query sets (B = 0, Q = 0) give empty outputs and gradients; meta
         tensors give a meta output.
 
@@ -84,7 +88,8 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         coordinates and weights from the float32 numbers, so no location is rounded to half
         precision. That is what torch.autocast gives a Deformable-DETR-style model (value from
         an nn.Linear in half precision, float32 reference points + offsets and a float32
-        softmax), and it costs no cast. A point dtype narrower than value's is widened to it
+        softmax), and it costs no cast; grad_value is then summed in float32 (on CUDA in a
+        workspace) and rounded once. A point dtype narrower than value's is widened to it
         (float16 points with a float32 value), a float64 value runs in float64 throughout.
         Gradients come back in each input's own dtype. The op is not itself on an autocast
         list.
@@ -104,6 +109,10 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         shape table, each naming the argument; ValueError or RuntimeError from the library
         (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
+    if softmax and _COMPOSE_SOFTMAX and _composable(value, sampling_locations, attention_weights):
+        # the softmax composed with the plain op (see softmax above)
+        attention_weights = _softmax_points(value, sampling_locations, attention_weights)
+        softmax = False
     if sampling == "bilinear" and not softmax and deterministic is None:  # (at once)
         flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
     else:
@@ -132,6 +141,18 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         return _reference(value, levels.host if levels.host is not None else levels.shapes,
                           loc, attn, num_points_list, flags)
     return _run(value, loc, attn, (levels, sizes, lp, flags))
+
+
+# softmax=True through torch's softmax and the plain op; the tests of the library's fused
+# softmax kernels (c/msda.h: MSDA_SOFTMAX) turn it off (tests/conftest.py: fused_softmax)
+_COMPOSE_SOFTMAX = True
+
+
+def _composable(value, loc, attn):
+    """Whether softmax=True can be composed here: floating-point tensors (anything else is left
+    to the checks, which name it)."""
+    return (isinstance(attn, _Tensor) and isinstance(value, _Tensor) and isinstance(loc, _Tensor)
+            and attn.is_floating_point() and attn.dim() in (4, 5))
 
 
 class MSDeformAttnFunction:

@@ -17,7 +17,8 @@ from factories import (GRAD_NAMES, flat_size, loose_bound, make_inputs, make_poi
                        oracle_forward_general, random_grad_output, random_level_shapes, rel_l2,
                        run_msda)
 
-pytestmark = requires_cuda
+# softmax=True reaches the kernels' fused softmax here (conftest.fused_softmax)
+pytestmark = [requires_cuda, pytest.mark.usefixtures("fused_softmax")]
 
 # (dtype, C) pairs reaching G = 1, 2, 4, 8, 16, 32 threads per item, and C = 256 (G = 64: generic).
 GROUPS = [(torch.float32, 4), (torch.float32, 8), (torch.float32, 16), (torch.float32, 32),

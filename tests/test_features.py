@@ -1,6 +1,7 @@
 """tests/test_features.py: the options of pymsda.ms_deform_attn beyond the plain op (issue 5):
 num_points_list (per-level point counts, RT-DETRv2), sampling="nearest" (RT-DETRv2's
-"discrete") and softmax=True (logits in, softmax fused into the op), alone and combined.
+"discrete") and softmax=True (logits in: composed with torch's softmax, and the library's fused
+softmax), alone and combined.
 
 Checked against the numpy f64 oracle (tests/oracle.py forward_general / backward_general, written
 from the math, no torch), with torch.autograd.gradcheck in f64, and for f16/bf16 against twice
@@ -25,6 +26,15 @@ from factories import (GRAD_NAMES, HALF_DTYPES, loose_bound, make_inputs, make_p
 from test_reliability import LYING  # the lying shape tables the plain path is tested with
 
 SHAPES = [(5, 7), (3, 4), (1, 3), (2, 2)]
+
+
+@pytest.fixture(autouse=True, params=["composed", "fused"])
+def softmax_path(request, monkeypatch):
+    """Every test twice: softmax=True composed with torch's softmax (what ops does), and through
+    the library's fused softmax (MSDA_SOFTMAX, conftest.fused_softmax)."""
+    if request.param == "fused":
+        request.getfixturevalue("fused_softmax")
+    return request.param
 
 # (num_points_list or None for the plain (L, P) layout with 2 points, sampling, softmax)
 FEATURES = {

@@ -31,7 +31,8 @@ import pymsda
 from conftest import requires_cuda
 from factories import seed_of
 
-pytestmark = [requires_cuda, pytest.mark.huge]
+# softmax=True reaches the kernels' fused softmax here (conftest.fused_softmax)
+pytestmark = [requires_cuda, pytest.mark.huge, pytest.mark.usefixtures("fused_softmax")]
 DEVICE = "cuda"
 
 H = 8
