@@ -22,6 +22,8 @@ any index is computed (so no NaN reaches an integer cast), and so is any locatio
 import torch
 import torch.nn.functional as F
 
+from ._tables import _starts_of
+
 _FAR = -1.0  # a location outside every level: x = -W - 0.5, all four corners at x < 0
 
 
@@ -80,10 +82,7 @@ def _level_vectors(spatial_shapes, level_start_index, level_of, dtype, device):
     """Each point's level width and height (dtype) and start in S (int64), (N,) vectors:
     constants for a list of shapes, gathered from the tables when they are tensors."""
     if not isinstance(spatial_shapes, torch.Tensor):
-        starts, total = [], 0
-        for h, w in spatial_shapes:
-            starts.append(total)
-            total += h * w
+        starts, _ = _starts_of(spatial_shapes)
         return (torch.tensor([float(spatial_shapes[l][1]) for l in level_of], dtype=dtype,
                              device=device),
                 torch.tensor([float(spatial_shapes[l][0]) for l in level_of], dtype=dtype,

@@ -35,6 +35,7 @@ from . import _lib
 from ._checks import _check_pairs, _point_counts
 from ._decompose import decompose
 from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
+from ._tables import _starts_of
 
 __all__ = ["onnx_options", "TENSORRT_PLUGIN"]
 
@@ -180,10 +181,7 @@ def _plugin_tables(spatial_shapes, level_start_index, device):
     """The plugin's int32 spatial_shapes (L, 2) and level_start_index (L,)."""
     if not isinstance(spatial_shapes, torch.Tensor):
         pairs = _check_pairs(spatial_shapes)
-        starts, total = [], 0
-        for h, w in pairs:
-            starts.append(total)
-            total += h * w
+        starts, _ = _starts_of(pairs)
         return (torch.tensor(pairs, dtype=torch.int32, device=device),
                 torch.tensor(starts, dtype=torch.int32, device=device))
     shapes = spatial_shapes.to(device=device, dtype=torch.int32)
