@@ -8,13 +8,13 @@ torch.compile and torch.export trace (pymsda.ops.HAS_TORCH_LIBRARY_OPS says whet
 """
 import torch
 
-from . import _lib, reference, routes
+from . import _lib, export, reference, routes
 from .modules import MSDeformAttn
 from .ops import MSDeformAttnFunction, ms_deform_attn
 
 __version__ = "0.1.0"
-__all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "reference", "routes",
-           "library_path", "has_cuda", "cuda_archs"]
+__all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",
+           "routes", "library_path", "has_cuda", "cuda_archs"]
 
 
 def library_path():

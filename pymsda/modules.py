@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ._tables import shapes_tensor
+from .export import _not_scriptable
 from .ops import ms_deform_attn
 
 __all__ = ["MSDeformAttn"]
@@ -35,6 +36,8 @@ class MSDeformAttn(nn.Module):
         self.value_proj = nn.Linear(d_model, d_model)
         self.output_proj = nn.Linear(d_model, d_model)
         self._reset_parameters()
+
+    __prepare_scriptable__ = _not_scriptable  # say what works instead
 
     def _reset_parameters(self):
         nn.init.constant_(self.sampling_offsets.weight.data, 0.0)

@@ -12,7 +12,8 @@ from . import _lib
 from ._autograd import _MetaMSDA, _has_cuda_kernels, _reference, _run
 from ._checks import _Tensor, _deterministic_algorithms, _dispatch_modes, _flags, _is_compiling, \
     _traced
-from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
+from .export import _dynamo_traced, _jit_traced, _tracing_state
+from ._library import HAS_TORCH_LIBRARY_OPS
 from ._plan import _common, _prepare, _softmax_points
 
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
@@ -117,14 +118,16 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
     else:
         flags = _flags(sampling, softmax, deterministic)
+    if _tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)
+        return _jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
+                           attention_weights, num_points_list, flags)
     if HAS_TORCH_LIBRARY_OPS and (
             _is_compiling() or _dispatch_modes() or not (
                 type(value) is _Tensor and type(sampling_locations) is _Tensor
                 and type(attention_weights) is _Tensor)) and _traced(
                     value, sampling_locations, attention_weights):
-        return _ms_deform_attn_traced(value, spatial_shapes, level_start_index,
-                                      sampling_locations, attention_weights, num_points_list,
-                                      flags)
+        return _dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
+                              attention_weights, num_points_list, flags)
     if num_points_list is None and not validate:  # the common call, in one pass
         common = _common(value, spatial_shapes, level_start_index, sampling_locations,
                          attention_weights, flags)

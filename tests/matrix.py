@@ -181,6 +181,8 @@ def create_env(spec, venv_root, reuse, log_file):
         # torch releases before 2.4 were built against NumPy 1 and cannot import NumPy 2.
         numpy = "numpy<2" if version_tuple(torch_version) < (2, 4) else "numpy"
         packages, venv_options = ["torch==" + torch_version, numpy, "pytest"], []
+        if version_tuple(torch_version) >= (2, 4):  # the export tests' onnx, onnxruntime, ...
+            packages += ["-r", os.path.join(REPO, "tests", "requirements-export.txt")]
     if reuse and os.path.exists(python):
         log("%s: reusing %s" % (spec, venv))
         return python

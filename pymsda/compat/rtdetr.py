@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
 
+from ..export import _not_scriptable
 from ..ops import ms_deform_attn
 
 __all__ = ["deformable_attention_core_func", "deformable_attention_core_func_v2",
@@ -116,6 +117,8 @@ class MSDeformableAttention(nn.Module):
         if method == "discrete":  # nearest sampling passes no gradient to the offsets
             for p in self.sampling_offsets.parameters():
                 p.requires_grad = False
+
+    __prepare_scriptable__ = _not_scriptable  # say what works instead
 
     def _reset_parameters(self):
         # Head h looks along the angle 2*pi*h/num_heads (the larger component scaled to 1);

@@ -21,6 +21,7 @@ import inspect
 
 from torch import nn
 
+from ..export import _not_scriptable
 from ..ops import MSDeformAttnFunction, ms_deform_attn
 
 __all__ = ["MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
@@ -34,6 +35,8 @@ _FORWARD_ARGUMENTS = ["value", "value_spatial_shapes", "value_spatial_shapes_lis
 
 
 class MultiScaleDeformableAttention(nn.Module):
+    __prepare_scriptable__ = _not_scriptable  # say what works instead
+
     def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index,
                 sampling_locations, attention_weights, im2col_step=None):
         shapes = value_spatial_shapes_list
