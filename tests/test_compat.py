@@ -387,7 +387,7 @@ def test_rtdetr_v2_core_func_matches_oracle(generator, device, method):
     expected = oracle_backward_general(inputs, grad_output, **options)
     for name, e in zip(GRAD_NAMES, expected):
         if name == "sampling_locations" and method == "discrete":
-            assert torch.count_nonzero(grads[name]) == 0
+            assert grads[name] is None  # as RT-DETRv2's integer cast: no gradient at all
             continue
         assert rel_l2(grads[name], e) < 1e-11, name
 
