@@ -41,7 +41,9 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
             N = sum(num_points_list), level 0's points first.
         sampling: "bilinear" (default) or "nearest": read the single pixel
             (clamp(floor(x * W_l + 0.5), 0, W_l - 1), clamp(floor(y * H_l + 0.5), 0, H_l - 1)),
-            RT-DETRv2's "discrete" method; the location gradient is then 0.
+            RT-DETRv2's "discrete" method. No gradient flows to sampling_locations then: it gets
+            None, as with RT-DETRv2's integer cast (not a tensor of zeros, which an optimizer
+            such as AdamW would still apply weight decay for).
         softmax: attention_weights are logits; the op applies the softmax over all points of
             each (query, head) first: torch's softmax, then the plain op (measured faster than
             the library's fused softmax in the backward, and no slower than the caller's own
@@ -118,6 +120,9 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
     else:
         flags = _flags(sampling, softmax, deterministic)
+        if flags & _lib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
+            # piecewise constant in the location: no gradient at all (None), on every path
+            sampling_locations = sampling_locations.detach()
     if _tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)
         return _jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
                            attention_weights, num_points_list, flags)

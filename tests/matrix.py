@@ -167,8 +167,9 @@ def ensure_debian_torch(log_file):
     run(["apt-get", "install", "-y", "--no-install-recommends"] + DEBIAN_PACKAGES, log_file, env=env)
 
 
-def create_env(spec, venv_root, reuse, log_file):
-    """A venv for spec with torch, numpy and pytest in it; returns its python."""
+def create_env(spec, venv_root, reuse, log_file, requirements=None):
+    """A venv for spec with torch, numpy and pytest in it (and the requirements file given, with
+    torch held at spec's version); returns its python."""
     slug = re.sub(r"[^\w.]+", "-", spec)
     venv = os.path.join(venv_root, slug)
     python = os.path.join(venv, "bin", "python")
@@ -192,6 +193,15 @@ def create_env(spec, venv_root, reuse, log_file):
     if packages:
         log("%s: pip install %s" % (spec, " ".join(packages)))
         run([python, "-m", "pip", "install", "--quiet"] + packages, log_file)
+    if requirements:
+        constraints = os.path.join(venv, "torch-constraint.txt")
+        with open(constraints, "w") as f:
+            f.write("torch==%s\n" % spec.partition("@")[0])
+        log("%s: pip install -r %s" % (spec, requirements))
+        start = time.time()
+        run([python, "-m", "pip", "install", "--quiet", "-c", constraints, "-r", requirements],
+            log_file)
+        log("%s: requirements installed in %.0f s" % (spec, time.time() - start))
     return python
 
 
@@ -328,6 +338,9 @@ def main(argv=None):
     parser.add_argument("--venv-dir", help="where the venvs go (default: a temporary folder, removed after)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse venvs already in --venv-dir (a quick re-run; not a fresh matrix)")
+    parser.add_argument("--requirements", action="append", default=[], metavar="SPEC=FILE",
+                        help="also pip install -r FILE into environment SPEC (torch held at its "
+                        "version), e.g. 2.14.1=tests/requirements-clients-torchvision.txt")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds for one test suite run")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--markdown", action="store_true", help="also print rows for README's table")
@@ -336,6 +349,8 @@ def main(argv=None):
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     specs = [] if args.here and args.torch is None else (args.torch or DEFAULT_ENVS)
+    requirements = dict(item.split("=", 1) for item in args.requirements)
+    requirements = {spec: os.path.abspath(path) for spec, path in requirements.items()}
 
     started = time.time()
     work = tempfile.mkdtemp(prefix="pymsda-matrix-")
@@ -359,7 +374,7 @@ def main(argv=None):
     for spec in specs:
         log_file = os.path.join(work, re.sub(r"[^\w.]+", "-", spec) + ".log")
         try:
-            python = create_env(spec, venv_root, args.reuse, log_file)
+            python = create_env(spec, venv_root, args.reuse, log_file, requirements.get(spec))
             install_wheel(python, wheel, log_file)
         except (OSError, RuntimeError) as error:
             log("%s: %s" % (spec, error))

@@ -345,7 +345,8 @@ def test_transformers_replace_kernel_layers(generator, device):
     after = model["decoder"].attn(*args)
     assert after.shape == before.shape and after.dtype == before.dtype
     assert rel_l2(after, before) < F64_BOUND
-    assert transformers.replace_kernel_layers(model) == 0  # already pymsda's
+    with pytest.warns(UserWarning, match="nothing was replaced"):
+        assert transformers.replace_kernel_layers(model) == 0  # already pymsda's
 
 
 # ---- RT-DETR and RT-DETRv2 --------------------------------------------------------------------
@@ -387,7 +388,7 @@ def test_rtdetr_v2_core_func_matches_oracle(generator, device, method):
     expected = oracle_backward_general(inputs, grad_output, **options)
     for name, e in zip(GRAD_NAMES, expected):
         if name == "sampling_locations" and method == "discrete":
-            assert torch.count_nonzero(grads[name]) == 0
+            assert grads[name] is None  # as RT-DETRv2's integer cast: no gradient at all
             continue
         assert rel_l2(grads[name], e) < 1e-11, name
 
@@ -679,9 +680,10 @@ def test_compat_entry_points_are_exported():
     """Each module's __all__ names what it defines, and the originals' names are all there."""
     expected = {
         deformable_detr: {"MSDeformAttnFunction", "ms_deform_attn_core_pytorch", "MSDeformAttn"},
-        mmcv: {"MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch"},
+        mmcv: {"MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch",
+               "MultiScaleDeformableAttention"},
         transformers: {"MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
-                       "replace_kernel_layers"},
+                       "replace_kernel_layers", "install", "uninstall"},
         rtdetr: {"deformable_attention_core_func", "deformable_attention_core_func_v2",
                  "MSDeformableAttention"},
         paddle: {"ms_deformable_attn", "deformable_attention_core_func"},

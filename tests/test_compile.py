@@ -112,15 +112,15 @@ def test_compiled_op_options_match_eager_aot_eager_fullgraph(generator, device, 
     def run(function):
         leaves = [t.detach().clone().requires_grad_(True) for t in (value, loc, attn)]
         out = function(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad_output)
+        grads = torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
         return out.detach(), grads
 
     eager_out, eager_grads = run(model)
     out, grads = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
     assert rel_l2(out, eager_out) < 1e-13
     for name, grad, expected in zip(GRAD_NAMES, grads, eager_grads):
-        if expected.abs().max() == 0:  # nearest sampling: the location gradient is 0
-            assert grad.abs().max() == 0, name
+        if expected is None:  # nearest sampling: no location gradient, eager or compiled
+            assert grad is None, name
         else:
             assert rel_l2(grad, expected) < 1e-12, name
 

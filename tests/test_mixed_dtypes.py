@@ -40,7 +40,7 @@ def _call(value, loc, attn, grad_output, **options):
     leaves = [t.detach().clone().requires_grad_(True) for t in (value, loc, attn)]
     out = pymsda.ms_deform_attn(leaves[0], SHAPES, None, leaves[1], leaves[2],
                                 num_points_list=POINTS, **options)
-    return out.detach(), torch.autograd.grad(out, leaves, grad_output)
+    return out.detach(), torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,7 +100,7 @@ def test_autocast_points_lose_no_precision(generator, device, dtype, option):
     assert rel_l2(out, truth_out) <= 1.5 * rel_l2(yard_out, truth_out) + 1e-7
     for name, got, expected, yardstick in zip(GRAD_NAMES, grads, truth, yard):
         if nearest and name == "sampling_locations":
-            assert not got.any()
+            assert got is None  # no location gradient at all
             continue
         bound = 1.5 * rel_l2(yardstick, expected) + 1e-7
         assert rel_l2(got, expected) <= bound, name

@@ -6,9 +6,16 @@ and modules keep their parameter names, so checkpoints load unchanged.
 
     deformable_detr  Deformable DETR: MSDeformAttnFunction, ms_deform_attn_core_pytorch,
                      MSDeformAttn; install() for `import MultiScaleDeformableAttention as MSDA`
-    mmcv             MultiScaleDeformableAttnFunction, multi_scale_deformable_attn_pytorch
-    transformers     the MultiScaleDeformableAttention kernel layer of HF transformers, and
-                     replace_kernel_layers(model) to put it into a built transformers model
+    mmcv             MultiScaleDeformableAttnFunction, multi_scale_deformable_attn_pytorch,
+                     and mmcv's MultiScaleDeformableAttention module (registered in mmengine's
+                     MODELS where mmcv has no compiled ops, e.g. mmcv-lite)
+    transformers     the MultiScaleDeformableAttention kernel layer of HF transformers,
+                     replace_kernel_layers(model) to put it into a built transformers model,
+                     and install() / uninstall() (the kernel layer of models built afterwards,
+                     RT-DETRv2's, D-FINE's, Mask2Former's and OneFormer's functions)
+    ultralytics      install() / uninstall(): Ultralytics RT-DETR's MSDeformAttn
+    rfdetr           install() / uninstall(): RF-DETR's MSDeformAttn (and LW-DETR's, given its
+                     module), value in their (batch, heads, head_dim, S) layout
     rtdetr           RT-DETR's deformable_attention_core_func, RT-DETRv2's
                      deformable_attention_core_func_v2 and its MSDeformableAttention module
     paddle           ms_deformable_attn, the Paddle RT-DETR ext_op's call shape, on torch
@@ -19,9 +26,10 @@ everything else runs pymsda's C/CUDA kernels.
 """
 import sys
 
-from . import deformable_detr, extension, mmcv, paddle, rtdetr, transformers
+from . import deformable_detr, extension, mmcv, paddle, rfdetr, rtdetr, transformers, ultralytics
 
-__all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "install"]
+__all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics", "rfdetr",
+           "install"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
 

@@ -16,16 +16,33 @@ autograd function of older transformers releases, same call shape as Deformable 
 transformers builds the layer inside its models (`self.attn = MultiScaleDeformableAttention()`),
 so user code does not import it: replace_kernel_layers(model) swaps every such layer of a built
 (or loaded) model for this one; the layer holds no weights, so nothing else changes.
+
+install() switches, in the transformers modules that hold them:
+  - the kernel layer class (Deformable DETR, RT-DETR, Grounding DINO, MM Grounding DINO,
+    OmDet-Turbo, LW-DETR, RF-DETR, PP-DocLayout v2-v4), so models built afterwards build
+    pymsda's layer (replace_kernel_layers(model) for one built before);
+  - RT-DETRv2's, D-FINE's and DEIMv2's module-level multi_scale_deformable_attention_v2 (value
+    (batch, S, heads, dim), per-level point counts, method "default" or "discrete", as
+    pymsda.compat.rtdetr.deformable_attention_core_func_v2), looked up when RT-DETRv2 runs (D-FINE
+    and DEIMv2 bind it when a layer is built);
+  - Mask2Former's and OneFormer's module-level multi_scale_deformable_attention(value,
+    value_spatial_shapes, sampling_locations, attention_weights), looked up when they run.
+It returns the names switched; uninstall() restores them. While a tracer or exporter runs
+(torch.jit.trace, the ONNX exporters, torch.export), every switched name and layer runs
+transformers' own code.
 """
 import inspect
+import warnings
 
 from torch import nn
 
 from ..export import _not_scriptable
 from ..ops import MSDeformAttnFunction, ms_deform_attn
+from . import _switch
+from .rtdetr import deformable_attention_core_func_v2
 
 __all__ = ["MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
-           "replace_kernel_layers"]
+           "replace_kernel_layers", "install", "uninstall"]
 
 MultiScaleDeformableAttentionFunction = MSDeformAttnFunction
 
@@ -36,9 +53,15 @@ _FORWARD_ARGUMENTS = ["value", "value_spatial_shapes", "value_spatial_shapes_lis
 
 class MultiScaleDeformableAttention(nn.Module):
     __prepare_scriptable__ = _not_scriptable  # say what works instead
+    # transformers' own forward (of the class this one replaced), run while exporting
+    _client_forward = None
 
     def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index,
                 sampling_locations, attention_weights, im2col_step=None):
+        if self._client_forward is not None and _switch.exporting():
+            return self._client_forward(value, value_spatial_shapes, value_spatial_shapes_list,
+                                        level_start_index, sampling_locations,
+                                        attention_weights, im2col_step)
         shapes = value_spatial_shapes_list
         if shapes is None:
             shapes = value_spatial_shapes
@@ -76,6 +99,74 @@ def replace_kernel_layers(model):
             if _is_kernel_layer(child):
                 layer = MultiScaleDeformableAttention()
                 layer.train(child.training)
+                layer._client_forward = child.forward  # bound to the replaced layer
                 setattr(parent, name, layer)
                 replaced += 1
+    if not replaced:
+        warnings.warn("replace_kernel_layers: the model has no transformers "
+                      "MultiScaleDeformableAttention kernel layer; nothing was replaced (RT-DETRv2, "
+                      "D-FINE, Mask2Former and OneFormer call a module-level function instead: "
+                      "pymsda.compat.transformers.install() switches those)", stacklevel=2)
     return replaced
+
+
+# ---- install() ------------------------------------------------------------------------------
+
+_KERNEL_LAYER_MODELS = ["deformable_detr", "rt_detr", "grounding_dino", "mm_grounding_dino",
+                        "omdet_turbo", "lw_detr", "rf_detr", "pp_doclayout_v2",
+                        "pp_doclayout_v3", "pp_doclayout_v4"]
+_V2_FUNCTION_MODELS = ["rt_detr_v2", "d_fine", "deimv2"]
+_FUNCTION_MODELS = ["mask2former", "oneformer"]
+
+
+def _modeling(model):
+    return "transformers.models.%s.modeling_%s" % (model, model)
+
+
+_TARGETS = ([(_modeling(m), "MultiScaleDeformableAttention") for m in _KERNEL_LAYER_MODELS]
+            + [(_modeling(m), "multi_scale_deformable_attention_v2") for m in _V2_FUNCTION_MODELS]
+            + [(_modeling(m), "multi_scale_deformable_attention") for m in _FUNCTION_MODELS])
+
+
+def multi_scale_deformable_attention(value, value_spatial_shapes, sampling_locations,
+                                     attention_weights):
+    """Mask2Former's and OneFormer's function: value (batch, S, heads, dim), value_spatial_shapes
+    [(H, W), ...] (or an (L, 2) tensor), sampling_locations (batch, Q, heads, L, P, 2),
+    attention_weights (batch, Q, heads, L, P) -> (batch, Q, heads * dim)."""
+    return ms_deform_attn(value, value_spatial_shapes, None, sampling_locations,
+                          attention_weights)
+
+
+def _kernel_layer_class(original):
+    """pymsda's layer for one transformers module, running that module's own forward while
+    exporting; None where the original's forward is not the kernel layer's."""
+    try:
+        parameters = list(inspect.signature(original.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if parameters[1:] != _FORWARD_ARGUMENTS:
+        return None
+    client = original()  # no weights; its forward is transformers' pure-PyTorch MSDA
+    return type("MultiScaleDeformableAttention", (MultiScaleDeformableAttention,),
+                {"_client_forward": staticmethod(client.forward),
+                 "__module__": __name__, "__qualname__": "MultiScaleDeformableAttention"})
+
+
+def _replacement(original, module):
+    name = original.__name__
+    if isinstance(original, type):
+        return _kernel_layer_class(original)
+    if name == "multi_scale_deformable_attention_v2":
+        return _switch.routed(original, deformable_attention_core_func_v2)
+    return _switch.routed(original, multi_scale_deformable_attention)
+
+
+def install():
+    """Switches the MSDA of the transformers models listed above to pymsda, where this
+    transformers has them; returns the names switched (a warning when there is none)."""
+    return _switch.switch(_TARGETS, _replacement, "transformers")
+
+
+def uninstall():
+    """Restores transformers' own MSDA; returns the names restored."""
+    return _switch.restore(_TARGETS)
