@@ -1,4 +1,5 @@
 """python -m pymsda bench: times pymsda against the pure-PyTorch reference and reports both errors.
+(`python -m pymsda bench --models`: a training step of whole models, pymsda/bench_models.py.)
 
 What is measured, per named shape (bench_shapes.json, the "gpu" or "cpu" group), dtype and pass:
   fwd     forward only, under torch.no_grad()
@@ -519,6 +520,9 @@ def _comma_list(allowed):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--models" or a.startswith("--models=") for a in argv):  # model-level steps
+        from .bench_models import main as models_main
+        return models_main(argv)
     parser = argparse.ArgumentParser(prog="python -m pymsda bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
