@@ -508,6 +508,15 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             "overhead": measure_overhead(device, reference) if overhead else None}
 
 
+def checked_device(parser, device):
+    """--device's value, or the default; a parser error where cuda cannot run pymsda's kernels."""
+    device = device or default_device()
+    if device == "cuda" and not (torch.cuda.is_available() and has_cuda()):
+        parser.error("--device cuda needs a GPU visible to torch and a libpymsda built with CUDA "
+                     "kernels (see python -m pymsda info)")
+    return device
+
+
 def _comma_list(allowed):
     def parse(text):
         items = [item.strip() for item in text.split(",") if item.strip()]
@@ -548,10 +557,7 @@ def main(argv=None):
     parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")
     args = parser.parse_args(argv)
 
-    device = args.device or default_device()
-    if device == "cuda" and not (torch.cuda.is_available() and has_cuda()):
-        parser.error("--device cuda needs a GPU visible to torch and a libpymsda built with CUDA "
-                     "kernels (see python -m pymsda info)")
+    device = checked_device(parser, args.device)
     if args.plot:
         try:
             import matplotlib  # noqa: F401

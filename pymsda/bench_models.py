@@ -47,8 +47,8 @@ import warnings
 
 import torch
 
-from . import _autograd, has_cuda
-from .bench import _comma_list, environment
+from . import _autograd
+from .bench import _comma_list, checked_device, default_device, environment
 from .bench_report import write_json
 
 MODEL_NAMES = ("hf_ddetr", "hf_rtdetr", "ultralytics_rtdetr")
@@ -297,7 +297,10 @@ def bench_model(name, device, dtypes, batch, image, layers, tiny, rounds, steps,
             row["speedup"] = own["ms"] / row["ms"]
     result["rows"] = rows
     for row in rows:
-        log(("  " + "  ".join(_cells(row))).rstrip())
+        dtype_name, path, timed, speedup, peak, calls, note = _cells(row)
+        log(f"  {dtype_name:4s} {path:6s} {timed} ms/step" + (f", {speedup}" if speedup else "")
+            + (f", peak {peak} GiB" if peak != "n/a" else "")
+            + f", library calls/step {calls} (fwd/bwd)" + (f"  {note}" if note else ""))
     return result
 
 
@@ -339,7 +342,7 @@ def run(names=MODEL_NAMES, device=None, dtypes=None, size=None, rounds=5, steps=
     batch, image and layers override it); returns {"metadata", "settings", "models",
     "seconds"}."""
     started = time.perf_counter()
-    device = torch.device(device or _default_device())
+    device = torch.device(device or default_device())
     cuda = device.type == "cuda"
     dtypes = list(dtypes or (["f32", "bf16"] if cuda else ["f32"]))
     size = size or ("full" if cuda else "small")
@@ -367,10 +370,6 @@ def run(names=MODEL_NAMES, device=None, dtypes=None, size=None, rounds=5, steps=
         _free(device)  # the model and its optimizer state, before the next model's build
     return {"metadata": metadata, "settings": settings, "models": models,
             "seconds": time.perf_counter() - started}
-
-
-def _default_device():
-    return "cuda" if torch.cuda.is_available() and has_cuda() else "cpu"
 
 
 def format_table(result):
@@ -435,10 +434,7 @@ def main(argv):
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
     parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
     args = parser.parse_args(argv)
-    device = args.device or _default_device()
-    if device == "cuda" and not (torch.cuda.is_available() and has_cuda()):
-        parser.error("--device cuda needs a GPU visible to torch and a libpymsda built with CUDA "
-                     "kernels (see python -m pymsda info)")
+    device = checked_device(parser, args.device)
     for option in ("rounds", "steps", "warmup", "batch", "layers", "threads"):
         if getattr(args, option) is not None and getattr(args, option) < 1:
             parser.error(f"--{option} must be at least 1")
