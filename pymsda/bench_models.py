@@ -23,9 +23,11 @@ How pymsda is switched, the documented way: HF models are built once, then
 pymsda.compat.transformers.replace_kernel_layers(model) swaps in pymsda's kernel layer (it
 holds no weights); the replaced layers are kept, and each variant puts its own ones in place.
 Ultralytics: pymsda.compat.ultralytics.install() before the pymsda variant, uninstall() after.
-One model (and one optimizer) serves all variants of a model, so the peak memory of each is the
-process's own. Calls into libpymsda (msda_forward and msda_backward) are counted per variant:
-a pymsda variant with none, or an own variant with some, is reported (exit status 1).
+One model (and one optimizer) serves all variants of a model, so each variant's peak memory is
+that of a process training that one model (weights, gradients and AdamW state included). Calls
+into libpymsda (msda_forward and msda_backward) are counted on each variant's first step: a
+pymsda variant with none, or an own variant with some, is reported (exit status 1), as is a
+variant that fails (out of memory, say; the run goes on without it).
 
 Timing: each variant runs --warmup untimed steps, then --rounds rounds; a round runs --steps
 steps of every variant, the variants in order and in reverse order on odd rounds (alternated,
