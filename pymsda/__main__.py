@@ -3,6 +3,7 @@
     python -m pymsda          info and self-check (exit status 1 if a check fails)
     python -m pymsda info     info only
     python -m pymsda bench    benchmark against the PyTorch reference (bench --help for options)
+    python -m pymsda bench --models   a training step of whole models, their own MSDA vs pymsda
 """
 import argparse
 import ctypes

@@ -1,4 +1,5 @@
 """python -m pymsda bench: times pymsda against the pure-PyTorch reference and reports both errors.
+(`python -m pymsda bench --models`: a training step of whole models, pymsda/bench_models.py.)
 
 What is measured, per named shape (bench_shapes.json, the "gpu" or "cpu" group), dtype and pass:
   fwd     forward only, under torch.no_grad()
@@ -507,6 +508,15 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             "overhead": measure_overhead(device, reference) if overhead else None}
 
 
+def checked_device(parser, device):
+    """--device's value, or the default; a parser error where cuda cannot run pymsda's kernels."""
+    device = device or default_device()
+    if device == "cuda" and not (torch.cuda.is_available() and has_cuda()):
+        parser.error("--device cuda needs a GPU visible to torch and a libpymsda built with CUDA "
+                     "kernels (see python -m pymsda info)")
+    return device
+
+
 def _comma_list(allowed):
     def parse(text):
         items = [item.strip() for item in text.split(",") if item.strip()]
@@ -519,6 +529,9 @@ def _comma_list(allowed):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--models" or a.startswith("--models=") for a in argv):  # model-level steps
+        from .bench_models import main as models_main
+        return models_main(argv)
     parser = argparse.ArgumentParser(prog="python -m pymsda bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -544,10 +557,7 @@ def main(argv=None):
     parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")
     args = parser.parse_args(argv)
 
-    device = args.device or default_device()
-    if device == "cuda" and not (torch.cuda.is_available() and has_cuda()):
-        parser.error("--device cuda needs a GPU visible to torch and a libpymsda built with CUDA "
-                     "kernels (see python -m pymsda info)")
+    device = checked_device(parser, args.device)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
