@@ -35,6 +35,6 @@ def has_cuda():
 
 def empty_cpu_cache():
     """Gives back the CPU gradient buffers pymsda keeps for reuse between backward calls (at most
-    4, 256 MB together by default: PYMSDA_CPU_POOL_MB; see pymsda/_buffers.py). Buffers still
+    8, 256 MB together by default: PYMSDA_CPU_POOL_MB; see pymsda/_buffers.py). Buffers still
     in use stay with their users. Like torch.cuda.empty_cache, only useful to return memory."""
     _buffers.pool.clear()

@@ -27,8 +27,8 @@ import threading
 
 import torch
 
-MIN_BYTES = 1 << 20
-SLOTS = 4
+MIN_BYTES = 256 << 10
+SLOTS = 8
 
 
 def _environment_bytes():
