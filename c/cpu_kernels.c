@@ -27,9 +27,9 @@
  * Threads: the caller's count (torch.get_num_threads()), tasks from an atomic counter. libgomp
  *   resolves to torch's copy, so both share one OpenMP pool; one thread calls no OpenMP at all
  *   (fork-safe DataLoader workers); inside a parallel region the op runs on one thread.
- * Memory: per-thread scratch and one level table (at most 1.5 MB); outputs of 32 MB or more
- *   are madvise'd to huge pages before their first write (a fresh 40 MB grad_value: 11-21 ms of
- *   page faults, 3-4 ms with huge pages). What was measured to get here: kernels/TUNING.md.
+ * Memory: per-thread scratch and one level table (at most 1.5 MB); a grad_value of 4 MB or more
+ *   is madvise'd to huge pages before it is written (Python reuses its buffers, so they are
+ *   faulted in once; fewer TLB misses in the scatter). What was measured: kernels/TUNING.md.
  */
 #if !defined(_DEFAULT_SOURCE)
 #define _DEFAULT_SOURCE /* madvise under -std=c11 */
@@ -157,19 +157,22 @@ static inline int msda_num_threads(void) {
 #endif
 }
 
-/* Asks Linux to back a large output buffer, which the kernel is about to write in full, with
- * transparent huge pages. Python allocates outputs fresh on every call and glibc maps buffers
- * above 32 MB (its largest dynamic mmap threshold) afresh each time, so their first touch is one
- * page fault per 4 KB (ddetr_dec grad_value, 40 MB: 11-21 ms of faults here, against ~3 ms with
- * huge pages). A smaller buffer is mapped afresh only on the first call, then served from the
- * heap, whose pages are mapped already unless glibc trimmed the heap and grows it again; on
- * those regrowths (1-32 calls in 160, dec300's 11 MB) the huge pages cost 5-10 ms a call against
- * ~3 ms of 4 KB faults on this VM (kernels/TUNING.md, CPU v13), so it is left alone. Only whole 2 MB pages
- * inside the buffer are advised, so no other memory is affected; failure is harmless. */
+/* Asks Linux to back grad_value, which the kernel is about to write in full and then scatters
+ * into at random, with transparent huge pages: fewer TLB misses in the scatter. Python hands
+ * out CPU gradients from a pool of reused buffers (pymsda/_buffers.py), so the pages are faulted
+ * in once, not on every call, and the advice pays from 4 MB: 1 thread, pooled, dec300 (11 MB)
+ * C backward median 3.48-3.58 -> 2.76-2.90 ms, ddetr_dec (40 MB) 5.2-5.3 -> 4.7-5.1 ms
+ * (kernels/TUNING.md, CPU v14). Unpooled buffers, which glibc maps afresh or regrows its heap
+ * for, pay 5-10 ms more per regrowth with huge pages on this VM (v13); the pool is the remedy.
+ * Only whole 2 MB pages inside the buffer are advised, so no other memory is affected; failure is
+ * harmless. MSDA_HUGE_MIN_BYTES (-D) moves the threshold for experiments. */
+#ifndef MSDA_HUGE_MIN_BYTES
+#define MSDA_HUGE_MIN_BYTES ((int64_t)4 << 20)
+#endif
 static void advise_huge_pages(void *ptr, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     const uintptr_t huge = (uintptr_t)2 << 20;
-    if (!ptr || bytes < ((int64_t)32 << 20)) return;
+    if (!ptr || bytes < MSDA_HUGE_MIN_BYTES) return;
     uintptr_t begin = ((uintptr_t)ptr + huge - 1) & ~(huge - 1);
     uintptr_t end = ((uintptr_t)ptr + (uintptr_t)bytes) & ~(huge - 1);
     if (end > begin) (void)madvise((void *)begin, end - begin, MADV_HUGEPAGE);

@@ -8,13 +8,13 @@ torch.compile and torch.export trace (pymsda.ops.HAS_TORCH_LIBRARY_OPS says whet
 """
 import torch
 
-from . import _lib, export, reference, routes
+from . import _buffers, _lib, export, reference, routes
 from .modules import MSDeformAttn
 from .ops import MSDeformAttnFunction, ms_deform_attn
 
 __version__ = "0.1.0"
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",
-           "routes", "library_path", "has_cuda", "cuda_archs"]
+           "routes", "library_path", "has_cuda", "cuda_archs", "empty_cpu_cache"]
 
 
 def library_path():
@@ -31,3 +31,10 @@ def has_cuda():
     """True when the library has CUDA kernels, torch sees a GPU and so does the library."""
     return (bool(_lib.lib.msda_has_cuda()) and torch.cuda.is_available()
             and _lib.lib.msda_cuda_device_count() > 0)
+
+
+def empty_cpu_cache():
+    """Gives back the CPU gradient buffers pymsda keeps for reuse between backward calls (at most
+    8, 256 MB together by default: PYMSDA_CPU_POOL_MB; see pymsda/_buffers.py). Buffers still
+    in use stay with their users. Like torch.cuda.empty_cache, only useful to return memory."""
+    _buffers.pool.clear()

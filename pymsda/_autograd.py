@@ -10,6 +10,7 @@ import ctypes
 import torch
 
 from . import _lib
+from ._buffers import pool as _cpu_pool
 from ._checks import _DTYPE_CODE, _check
 from ._lib import lib
 
@@ -81,12 +82,17 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
     # grad_value of a half type: on the CPU the library accumulates it in an f32 buffer, cast
     # once here; on CUDA it has value's dtype (c/msda.h: the library accumulates in f32 where
     # it must, in the workspace it asks for).
-    grad_value = None
-    if need_value:
-        grad_value = (value.new_empty(value.shape) if device >= 0 or value.dtype in _FULL_DTYPES
-                      else value.new_empty(value.shape, dtype=torch.float32))
-    grad_loc = torch.empty_like(loc) if need_loc else None
-    grad_attn = torch.empty_like(attn) if need_attn else None
+    # On the CPU the gradients come from the pool of reused buffers (_buffers.py: a fresh
+    # large one is page-faulted in on every call).
+    if device >= 0:
+        grad_value = value.new_empty(value.shape) if need_value else None
+        grad_loc = torch.empty_like(loc) if need_loc else None
+        grad_attn = torch.empty_like(attn) if need_attn else None
+    else:
+        grad_value = (_cpu_empty(value.shape, value.dtype if value.dtype in _FULL_DTYPES
+                                 else torch.float32) if need_value else None)
+        grad_loc = _cpu_empty(loc.shape, loc.dtype) if need_loc else None
+        grad_attn = _cpu_empty(attn.shape, attn.dtype) if need_attn else None
     workspace, workspace_bytes = None, 0
     if (need_value and device >= 0
             and (flags & _lib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
@@ -113,6 +119,7 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
 
 
 _FULL_DTYPES = (torch.float32, torch.float64)
+_cpu_empty = _cpu_pool.empty
 
 
 def _grads_of_node(ctx, grad_out):

@@ -16,8 +16,9 @@ f64 for f64, then cast) and calls rotate among them so that no set stays cached.
 calls, every call is timed on its own: CUDA event pairs on the GPU, time.perf_counter on the CPU.
 On the GPU a sleep kernel holds the device while the host queues all timed calls, so the events
 measure the GPU's time per call rather than the host's launch overhead (--overhead measures that).
-A time is the median over reps * sets calls; the table gives the 10th and 90th percentiles
-beside it (the spread of the calls).
+A time is the median over reps * sets calls (on the CPU: more rounds, up to 10 * reps, until the
+timed calls add up to a second); the table gives the 10th and 90th percentiles beside it (the
+spread of the calls).
 
 Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
 centre for an encoder (Q = S, queries in value order), uniform in [0.05, 0.95]^2 for a decoder;
@@ -252,13 +253,22 @@ def _times_ms(calls, reps, device, warmup):
             if not queue_ran_dry([a[1].elapsed_time(b[0]) for a, b in zip(events, events[1:])]):
                 break
         return [start.elapsed_time(end) for start, end in events]
-    times = []
-    for _ in range(reps):
+    # CPU: reps rounds at least, then more until the timed calls add up to CPU_MIN_SECONDS (a
+    # fast op's median then rests on hundreds of calls; at most 10 * reps rounds)
+    times, total = [], 0.0
+    for rep in range(10 * reps):
+        if rep >= reps and total >= CPU_MIN_SECONDS:
+            break
         for call in calls:
             start = time.perf_counter()
             call()
-            times.append((time.perf_counter() - start) * 1e3)
+            elapsed = time.perf_counter() - start
+            total += elapsed
+            times.append(elapsed * 1e3)
     return times
+
+
+CPU_MIN_SECONDS = 1.0
 
 
 def _failure(error):
@@ -465,9 +475,8 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     cuda = device.type == "cuda"
     shapes = shapes if shapes is not None else load_shapes()["gpu" if cuda else "cpu"]
     dtypes = list(dtypes or (["f32", "bf16", "f16"] if cuda else ["f32"]))
-    # CPU: a process's first backward calls can take several times the later ones (the first
-    # touch of a fresh gradient buffer's huge pages), so 10 calls warm up and the median is of
-    # 20 * sets calls (two back-to-back runs then agree within ~10% on a quiet host)
+    # CPU: 10 calls warm up (a process's first backward faults its pooled gradient buffers in)
+    # and the median is of 20 * sets calls at least, a second of calls (_times_ms)
     reps = reps or (30 if cuda else 20)
     warmup = max(5, sets) if cuda else max(10, sets)  # every input set at least once
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
@@ -541,7 +550,8 @@ def main(argv=None):
                         help="comma list of f32,bf16,f16,f64 (default: f32,bf16,f16 on cuda, f32 on cpu)")
     parser.add_argument("--dist", choices=DISTRIBUTIONS, default="realistic")
     parser.add_argument("--pass", dest="passes", type=_comma_list(PASSES), default=list(PASSES))
-    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda, 20 on cpu)")
+    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda; on cpu "
+                        "20 at least, more until the calls add up to a second)")
     parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
