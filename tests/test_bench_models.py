@@ -25,8 +25,9 @@ def needs_transformers():
 
 def test_models_command_on_cpu_reports_every_variant_and_counts_library_calls(tmp_path):
     path = tmp_path / "models.json"
-    done = run_cli(["bench", "--models", "hf_ddetr,hf_rtdetr", "--size", "tiny", "--rounds", "2",
-                    "--steps", "2", "--warmup", "1", "--threads", "1", "--json", str(path)],
+    done = run_cli(["bench", "--models", "hf_ddetr,hf_rtdetr", "--device", "cpu", "--size", "tiny",
+                    "--rounds", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
+                    "--json", str(path)],
                    cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "ms/step (p10-p90)" in done.stdout and "replace_kernel_layers" in done.stdout
