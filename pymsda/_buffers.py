@@ -71,6 +71,17 @@ def _checked_idle_test():
     return (use_count, alone[1]) if works else (None, 0)
 
 
+_ITEMSIZES = {}
+
+
+def _itemsize(dtype):
+    """Bytes an element of dtype (dtype.itemsize, which torch has from 2.1 on)."""
+    size = _ITEMSIZES.get(dtype)
+    if size is None:
+        size = _ITEMSIZES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
 class CpuBufferPool:
     """Storages reused for CPU gradients; least recently handed out first in `_storages`."""
 
@@ -82,8 +93,10 @@ class CpuBufferPool:
 
     def empty(self, shape, dtype):
         """An uninitialised contiguous CPU tensor, on a pooled storage where one fits."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self._use_count is None or not self.min_bytes <= nbytes <= self.max_bytes:
+        if self._use_count is None:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        if not self.min_bytes <= nbytes <= self.max_bytes:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             storages = self._storages

@@ -2,6 +2,7 @@
 exporters, checked by running what was recorded (TorchScript, ONNX Runtime) on inputs other
 than the traced ones and comparing with eager and the float64 oracle; and the TensorRT node's
 structure, run with the node replaced by the decomposition."""
+import inspect
 import io
 import warnings
 
@@ -53,6 +54,12 @@ class Call(torch.nn.Module):
                                      attention_weights, **self.options)
 
 
+# the TorchScript exporter as torch.onnx.export(dynamo=False), or without the keyword on a
+# torch whose export has none (before 2.5: that exporter is the only one)
+_TORCHSCRIPT = ({"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters
+                else {})
+
+
 def _to_onnx(module, args, dynamo=False, opset=17, tables="list", quiet=True):
     """The checked ONNX model of module, batch and query axes dynamic; quiet: without the
     exporters' warnings (and pymsda's)."""
@@ -74,7 +81,7 @@ def _to_onnx(module, args, dynamo=False, opset=17, tables="list", quiet=True):
             axes = {"value": [0], "sampling_locations": [0, 1], "attention_weights": [0, 1]}
             if tables == "input":
                 axes["value"] = [0, 1]
-            torch.onnx.export(module, args, f, dynamo=False, opset_version=opset,
+            torch.onnx.export(module, args, f, **_TORCHSCRIPT, opset_version=opset,
                               input_names=names, dynamic_axes=axes)
     model = onnx.load_from_string(f.getvalue())
     onnx.checker.check_model(model)
@@ -479,7 +486,7 @@ def _with_decomposed_plugin(model, dtype):
     f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(PluginSemantics(), args, f, dynamo=False, opset_version=opset,
+        torch.onnx.export(PluginSemantics(), args, f, **_TORCHSCRIPT, opset_version=opset,
                           input_names=["value", "shapes", "starts", "loc", "attn"],
                           dynamic_axes={"value": [0], "loc": [0, 1], "attn": [0, 1]})
     semantics = onnx.load_from_string(f.getvalue())
