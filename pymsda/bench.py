@@ -35,26 +35,23 @@ requires_grad inputs, level shapes as a list and as device tensors, no synchroni
 loop, the garbage collector off as in timeit; the median of 5 loops).
 """
 import argparse
-import datetime
 import functools
 import gc
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import zlib
 
 import torch
 
-from . import _lib, has_cuda, library_path
+from . import has_cuda
 from .ops import ms_deform_attn
-from .bench_report import (ERROR_KEYS, GRAD_KEYS, PASSES, _number, format_markdown,  # noqa: F401
-                           format_table, plot, write_json)
+from .bench_report import (ERROR_KEYS, GRAD_KEYS, PASSES, _number, environment,  # noqa: F401
+                           format_markdown, format_table, plot, write_json)
 from .reference import ms_deform_attn_pytorch
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
@@ -338,55 +335,6 @@ def precision(inputs):
 
 # ---------------------------------------------------------------------------------------------
 # the run
-
-
-def environment(device, command=None):
-    """What a benchmark table must be published with."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
-    built = _lib.lib.msda_cuda_version() if _lib.lib.msda_has_cuda() else 0
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": name,
-        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version",
-                                   "--format=csv,noheader"]).split("\n")[0] or "n/a",
-        "torch": torch.__version__,
-        "cuda": f"{torch.version.cuda or 'none'} (torch), "
-                f"{f'{built // 1000}.{built % 1000 // 10}' if built else 'none'} (pymsda build)",
-        "library": library_path(),
-        "commit": _git_commit(),
-        "command": command or "n/a",
-    }
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "cpu"
-
-
-def _command_output(argv, cwd=None):
-    try:
-        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def _git_commit():
-    """The short commit of the checkout this package was imported from, "-dirty" when tracked files
-    differ from it; "n/a" for an installed package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    top = _command_output(["git", "rev-parse", "--show-toplevel"], root)
-    if not top or os.path.realpath(top) != os.path.realpath(root):
-        return "n/a"
-    commit = _command_output(["git", "rev-parse", "--short", "HEAD"], root) or "n/a"
-    dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"], root)
-    return commit + ("-dirty" if dirty else "")
 
 
 def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, collect=False):

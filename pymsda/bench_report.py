@@ -1,6 +1,15 @@
-"""python -m pymsda bench: its output (a table, BENCHMARKS.md's markdown, a chart, JSON)."""
+"""python -m pymsda bench: its output (a table, BENCHMARKS.md's markdown, a chart, JSON) and
+the environment a table is published with."""
+import datetime
 import json
 import math
+import os
+import platform
+import subprocess
+
+import torch
+
+from . import _lib, library_path
 
 PASSES = ("fwd", "bwd", "fwdbwd")
 ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
@@ -139,3 +148,52 @@ def _json_ready(x):
 def write_json(result, path):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_json_ready(result), f, indent=1, allow_nan=False)
+
+
+def environment(device, command=None):
+    """What a benchmark table must be published with."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+    built = _lib.lib.msda_cuda_version() if _lib.lib.msda_has_cuda() else 0
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": name,
+        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version",
+                                   "--format=csv,noheader"]).split("\n")[0] or "n/a",
+        "torch": torch.__version__,
+        "cuda": f"{torch.version.cuda or 'none'} (torch), "
+                f"{f'{built // 1000}.{built % 1000 // 10}' if built else 'none'} (pymsda build)",
+        "library": library_path(),
+        "commit": _git_commit(),
+        "command": command or "n/a",
+    }
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
+
+def _command_output(argv, cwd=None):
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _git_commit():
+    """The short commit of the checkout this package was imported from, "-dirty" when tracked files
+    differ from it; "n/a" for an installed package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    top = _command_output(["git", "rev-parse", "--show-toplevel"], root)
+    if not top or os.path.realpath(top) != os.path.realpath(root):
+        return "n/a"
+    commit = _command_output(["git", "rev-parse", "--short", "HEAD"], root) or "n/a"
+    dirty = _command_output(["git", "status", "--porcelain", "--untracked-files=no"], root)
+    return commit + ("-dirty" if dirty else "")
