@@ -16,9 +16,11 @@ f64 for f64, then cast) and calls rotate among them so that no set stays cached.
 calls, every call is timed on its own: CUDA event pairs on the GPU, time.perf_counter on the CPU.
 On the GPU a sleep kernel holds the device while the host queues all timed calls, so the events
 measure the GPU's time per call rather than the host's launch overhead (--overhead measures that).
-A time is the median over reps * sets calls (on the CPU: more rounds, up to 10 * reps, until the
-timed calls add up to a second); the table gives the 10th and 90th percentiles beside it (the
-spread of the calls).
+A time is the median over reps * sets calls; the table gives the 10th and 90th percentiles beside
+it (the spread of the calls). On the CPU every row of the run is timed together, interleaved:
+each round runs every shape, dtype, pass and implementation in turn (a fast one repeated to
+about 20 ms), for reps rounds and at least 30 s, so that each median spans the whole run and
+not one second of a shared machine's drift.
 
 Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
 centre for an encoder (Q = S, queries in value order), uniform in [0.05, 0.95]^2 for a decoder;
@@ -250,22 +252,98 @@ def _times_ms(calls, reps, device, warmup):
             if not queue_ran_dry([a[1].elapsed_time(b[0]) for a, b in zip(events, events[1:])]):
                 break
         return [start.elapsed_time(end) for start, end in events]
-    # CPU: reps rounds at least, then more until the timed calls add up to CPU_MIN_SECONDS (a
-    # fast op's median then rests on hundreds of calls; at most 10 * reps rounds)
-    times, total = [], 0.0
-    for rep in range(10 * reps):
-        if rep >= reps and total >= CPU_MIN_SECONDS:
-            break
+    # CPU (time_ms's other callers; the bench's CPU rows are timed by _time_cpu_rows)
+    times = []
+    for _ in range(reps):
         for call in calls:
             start = time.perf_counter()
             call()
-            elapsed = time.perf_counter() - start
-            total += elapsed
-            times.append(elapsed * 1e3)
+            times.append((time.perf_counter() - start) * 1e3)
     return times
 
 
-CPU_MIN_SECONDS = 1.0
+def _percentiles(times):
+    times = sorted(times)
+    n = len(times)
+    return statistics.median(times), times[int(0.1 * (n - 1))], times[int(round(0.9 * (n - 1)))]
+
+
+# The CPU rows of a run are timed together, interleaved: every round runs each (shape, dtype,
+# pass, implementation) in turn, the order reversed on odd rounds, for at least `reps` rounds
+# and CPU_MIN_SECONDS. A shared machine's speed drifts from second to second (on a 2-vCPU guest
+# the same call's one-second medians varied by 20-60%: kernels/TUNING.md, CPU); timed in a block
+# of its own, each row caught whatever the machine did in its second, and two runs disagreed by
+# that much. Interleaved, every median spans the whole run. Within a round a fast entry repeats
+# its calls until they take about CPU_ROUND_MS, so its median rests on many calls.
+CPU_MIN_SECONDS = 30.0
+CPU_ROUND_MS = 20.0
+
+
+def _time_cpu_rows(jobs, reps, warmup, reference, op):
+    """Fills the timing columns of CPU rows. jobs: (row, input_sets) pairs, row["pass"] set. A
+    reference that fails (building its graph, warming up or later) gets "n/a" and its reason;
+    the others go on."""
+    entries = []  # [row, "pymsda" or "reference", calls]
+    for row, input_sets in jobs:
+        row.update(reference_ms=None, reference_p10_p90_ms=None, speedup=None,
+                   reference_note=None if reference else "not run")
+        entries.append([row, "pymsda", pass_calls(op, input_sets, row["pass"])])
+        if reference:
+            try:
+                entries.append([row, "reference",
+                                pass_calls(ms_deform_attn_pytorch, input_sets, row["pass"])])
+            except Exception as error:
+                row["reference_note"] = _failure(error)
+    repeat, alive = [], []
+    for row, name, calls in entries:  # warm up, then one timed pass sizes the repeats
+        try:
+            for i in range(warmup):
+                calls[i % len(calls)]()
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            per_call_ms = (time.perf_counter() - start) * 1e3 / len(calls)
+        except Exception as error:
+            if name == "pymsda":
+                raise
+            row["reference_note"] = _failure(error)
+            per_call_ms = None
+        alive.append(per_call_ms is not None)
+        round_ms = len(calls) * max(per_call_ms or 0.0, 1e-6)
+        repeat.append(min(1000, max(1, int(CPU_ROUND_MS / round_ms))) if alive[-1] else 0)
+    times = [[] for _ in entries]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        begin, rounds = time.perf_counter(), 0
+        while rounds < reps or (time.perf_counter() - begin < CPU_MIN_SECONDS and rounds < 10 * reps):
+            order = range(len(entries)) if rounds % 2 == 0 else range(len(entries) - 1, -1, -1)
+            for k in order:
+                if not alive[k]:
+                    continue
+                try:
+                    for _ in range(repeat[k]):
+                        for call in entries[k][2]:
+                            start = time.perf_counter()
+                            call()
+                            times[k].append((time.perf_counter() - start) * 1e3)
+                except Exception as error:
+                    if entries[k][1] == "pymsda":
+                        raise
+                    entries[k][0]["reference_note"] = _failure(error)
+                    alive[k] = False
+            rounds += 1
+    finally:
+        if enabled:
+            gc.enable()
+    for (row, name, _), ts, ok in zip(entries, times, alive):
+        if ok:
+            row[name + "_ms"], *row[name + "_p10_p90_ms"] = _percentiles(ts)
+    for row, _ in jobs:
+        if row["reference_ms"] is not None and row["pymsda_ms"] > 0:
+            row["speedup"] = row["reference_ms"] / row["pymsda_ms"]
+        elif row["reference_note"] is None:
+            row["reference_note"] = "failed"
 
 
 def _failure(error):
@@ -423,8 +501,8 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     cuda = device.type == "cuda"
     shapes = shapes if shapes is not None else load_shapes()["gpu" if cuda else "cpu"]
     dtypes = list(dtypes or (["f32", "bf16", "f16"] if cuda else ["f32"]))
-    # CPU: 10 calls warm up (a process's first backward faults its pooled gradient buffers in)
-    # and the median is of 20 * sets calls at least, a second of calls (_times_ms)
+    # CPU: 10 calls warm up (a process's first backward faults its pooled gradient buffers in);
+    # then 20 rounds at least, interleaved over the whole run (_time_cpu_rows)
     reps = reps or (30 if cuda else 20)
     warmup = max(5, sets) if cuda else max(10, sets)  # every input set at least once
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
@@ -438,7 +516,7 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     time_pass = functools.partial(_time_pass, reps=reps, device=device, warmup=warmup,
                                   reference=reference,
                                   op=_pymsda_deterministic if deterministic else _pymsda)
-    rows = []
+    rows, cpu_jobs = [], []
     for name, spec in shapes.items():
         for dtype_name in dtypes:
             half = DTYPES[dtype_name] in (torch.float16, torch.bfloat16)
@@ -451,18 +529,36 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             except Exception as error:  # the f64 reference itself out of memory: times still count
                 errors = dict(dict.fromkeys(ERROR_KEYS), note=_failure(error))
             _free(device)
-            group = [dict(shape=name, dtype=dtype_name, dist=dist, **time_pass(input_sets, p),
-                          errors=errors) for p in passes]
+            if cuda:
+                group = [dict(shape=name, dtype=dtype_name, dist=dist, **time_pass(input_sets, p),
+                              errors=errors) for p in passes]
+                _free(device)
+                _log_group(log, group)
+            else:  # timed below, all together
+                group = [dict(shape=name, dtype=dtype_name, dist=dist, errors=errors, **{"pass": p})
+                         for p in passes]
+                cpu_jobs += [(row, input_sets) for row in group]
             del input_sets
-            _free(device)
             rows += group
-            times = "  ".join(f"{r['pass']} {r['pymsda_ms']:.3f} ms"
-                              + (f" ({r['speedup']:.1f}x)" if r["speedup"] else "") for r in group)
-            rounding = errors.get("value_rounding_forward")
-            log(f"{name} {dtype_name}: {times}  | fwd error {_number(errors['forward'])}"
-                + (f" (value's rounding alone {_number(rounding)})" if rounding else ""))
+    if cpu_jobs:
+        log(f"timing {len(cpu_jobs)} rows interleaved, {CPU_MIN_SECONDS:.0f} s at least")
+        _time_cpu_rows(cpu_jobs, reps, warmup, reference,
+                       _pymsda_deterministic if deterministic else _pymsda)
+        del cpu_jobs
+        for i in range(0, len(rows), len(passes)):
+            _log_group(log, rows[i:i + len(passes)])
     return {"metadata": metadata, "settings": settings, "shapes": shapes, "rows": rows,
             "overhead": measure_overhead(device, reference) if overhead else None}
+
+
+def _log_group(log, group):
+    """One line for a shape and dtype's rows: each pass's median and speed-up, the errors."""
+    errors = group[0]["errors"]
+    times = "  ".join(f"{r['pass']} {r['pymsda_ms']:.3f} ms"
+                      + (f" ({r['speedup']:.1f}x)" if r["speedup"] else "") for r in group)
+    rounding = errors.get("value_rounding_forward")
+    log(f"{group[0]['shape']} {group[0]['dtype']}: {times}  | fwd error {_number(errors['forward'])}"
+        + (f" (value's rounding alone {_number(rounding)})" if rounding else ""))
 
 
 def checked_device(parser, device):
@@ -498,8 +594,8 @@ def main(argv=None):
                         help="comma list of f32,bf16,f16,f64 (default: f32,bf16,f16 on cuda, f32 on cpu)")
     parser.add_argument("--dist", choices=DISTRIBUTIONS, default="realistic")
     parser.add_argument("--pass", dest="passes", type=_comma_list(PASSES), default=list(PASSES))
-    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda; on cpu "
-                        "20 at least, more until the calls add up to a second)")
+    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda); on cpu "
+                        "interleaved rounds (20 at least, more until 30 s have passed)")
     parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")

@@ -29,6 +29,16 @@ ROW_KEYS = {"shape", "dtype", "dist", "pass", "pymsda_ms", "pymsda_p10_p90_ms", 
             "reference_p10_p90_ms", "reference_note", "speedup", "errors"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_round():
+    """The CPU rows in one interleaved round of one call each (the tests check what the rows
+    mean; the bench's own 30 s and 20 ms rounds are for timing)."""
+    saved = bench.CPU_MIN_SECONDS, bench.CPU_ROUND_MS
+    bench.CPU_MIN_SECONDS, bench.CPU_ROUND_MS = 0.0, 0.0
+    yield
+    bench.CPU_MIN_SECONDS, bench.CPU_ROUND_MS = saved
+
+
 @pytest.fixture(scope="module")
 def result():
     return bench.run(TINY_SHAPES, device="cpu", dtypes=["f32", "bf16"], reps=1, sets=2,
@@ -214,6 +224,27 @@ def test_a_failing_reference_gives_na_with_the_reason_and_the_run_goes_on(monkey
         assert row["pymsda_ms"] > 0 and row["reference_ms"] is None and row["speedup"] is None
         assert row["reference_note"] == "out of memory" and row["errors"]["forward"] is None
     assert "n/a (out of memory)" in bench.format_table(result)
+
+
+def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction(monkeypatch):
+    # Every round runs each (row, implementation) in turn, reversed on odd rounds, so that each
+    # median spans the whole run; fake calls record the order.
+    ran = []
+
+    def fake_pass_calls(op, input_sets, pass_name):
+        name = "reference" if op is bench.ms_deform_attn_pytorch else "pymsda"
+        return [lambda key=(pass_name, name): ran.append(key) for _ in input_sets]
+
+    monkeypatch.setattr(bench, "pass_calls", fake_pass_calls)
+    jobs = [({"pass": p}, [None, None]) for p in ("fwd", "bwd")]
+    bench._time_cpu_rows(jobs, reps=3, warmup=0, reference=True, op=bench._pymsda)
+    entries = [("fwd", "pymsda"), ("fwd", "reference"), ("bwd", "pymsda"), ("bwd", "reference")]
+    sizing = [e for e in entries for _ in range(2)]  # one untimed pass of each entry's two calls
+    forward = [e for e in entries for _ in range(2)]
+    assert ran == sizing + forward + forward[::-1] + forward
+    for row, _ in jobs:
+        assert row["pymsda_ms"] >= 0 and row["reference_ms"] >= 0 and row["reference_note"] is None
+        assert len(row["pymsda_p10_p90_ms"]) == 2
 
 
 def test_queue_ran_dry_flags_idle_gaps_between_timed_calls():
