@@ -215,7 +215,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
     return _Levels(shapes, starts, None)
 
 
-def shapes_tensor(spatial_shapes, device):
+def shapes_tensor(spatial_shapes, device: torch.device):
     """spatial_shapes as an (L, 2) tensor, for modules that pass it on to the op. A list becomes
     the op's own cached int64 tensor on device (checked; the same tensor for the same shapes),
     so an eager call copies nothing to the GPU and can be captured in a CUDA graph; while

@@ -82,12 +82,26 @@ def onnx_options(tensorrt=False, plugin_version="1", method="gather"):
 
 
 def _not_scriptable(module):
-    """__prepare_scriptable__ of the modules built on the op: torch.jit.script cannot compile a
-    call into a C library, so say what works instead of failing deep inside the compiler."""
+    """__prepare_scriptable__ of the drop-in modules whose forward TorchScript cannot compile
+    (that of the project they mirror cannot be scripted either): say what works instead of
+    failing deep inside the compiler."""
     raise RuntimeError(
-        f"{type(module).__name__} cannot be compiled by torch.jit.script: pymsda's op calls a C "
-        "library. Use torch.jit.trace (it records the op), torch.export or torch.compile, or "
-        "torch.onnx.export for ONNX (see README, Export)")
+        f"pymsda: {type(module).__module__}.{type(module).__qualname__} cannot be compiled by "
+        "torch.jit.script (its forward is Python that TorchScript does not take, as is the "
+        "original's). Use torch.jit.trace (it records pymsda's op), torch.export or "
+        "torch.onnx.export; or script code that calls pymsda.ms_deform_attn or holds "
+        "pymsda.MSDeformAttn, which TorchScript compiles (see README, Export)")
+
+
+def _script_unsupported(function, why):
+    """Marks function (returned) so that torch.jit.script, of it or of code calling it, raises
+    this instead of TorchScript's own error about the function's Python."""
+    function.__script_unsupported = (
+        f"pymsda: {function.__module__}.{function.__qualname__} cannot be compiled by "
+        f"torch.jit.script ({why}). Use torch.jit.trace (it records pymsda's op), torch.export "
+        "or torch.onnx.export; or script code that calls pymsda.ms_deform_attn, which "
+        "TorchScript records as the operator pymsda::ms_deform_attn (see README, Export)")
+    return function
 
 
 # ---------------------------------------------------------------------------------------------

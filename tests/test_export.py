@@ -268,10 +268,9 @@ def test_jit_trace_of_rtdetrv2_module_reruns_to_eager(generator):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: pymsda.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2),
     lambda: rtdetr.MSDeformableAttention(embed_dim=32, num_heads=4, num_levels=2),
     lambda: transformers.MultiScaleDeformableAttention(),
-], ids=["MSDeformAttn", "rtdetr.MSDeformableAttention", "transformers"])
+], ids=["rtdetr.MSDeformableAttention", "transformers"])
 def test_jit_script_of_a_model_holding_the_module_says_to_trace(make):
     class Model(torch.nn.Module):
         def __init__(self):
@@ -284,11 +283,13 @@ def test_jit_script_of_a_model_holding_the_module_says_to_trace(make):
         torch.jit.script(Model())
 
 
-def test_jit_script_of_a_function_calling_the_op_raises():
+def test_jit_script_of_a_function_calling_the_op_records_the_op(generator):
     def f(value, loc, attn):
-        return pymsda.ms_deform_attn(value, SHAPES, None, loc, attn)
-    with pytest.raises(Exception):
-        torch.jit.script(f)
+        return pymsda.ms_deform_attn(value, [(5, 7), (3, 4), (1, 1), (2, 6)], None, loc, attn)
+    scripted = torch.jit.script(f)
+    assert "pymsda::ms_deform_attn" in {node.kind() for node in scripted.graph.nodes()}
+    value, loc, attn, inputs = _other_inputs(generator)
+    assert rel_l2(scripted(value, loc, attn), oracle_forward(inputs)) < 1e-6
 
 
 # ---- ONNX: both exporters, ONNX Runtime against eager ---------------------------------------
