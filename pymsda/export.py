@@ -7,9 +7,13 @@
       (dynamo=False and True)    opset 11 and later; or, inside onnx_options(tensorrt=True), one
                                  MultiscaleDeformableAttnPlugin_TRT node where the plugin can
                                  express the call
-    torch.export, torch.compile  the registered op (pymsda/_library.py)
-    torch.jit.script             not scriptable: trace instead (MSDeformAttn says so when
-                                 scripted)
+    torch.export, torch.compile  the registered op (pymsda/_library.py); decompositions() turns
+                                 it into the decomposition in an ExportedProgram (for
+                                 torch.onnx.export of the program)
+    torch.jit.script             the op pymsda::ms_deform_attn (pymsda/_script.py), whose kernel
+                                 is ms_deform_attn: scripted code computes what eager code does;
+                                 drop-ins TorchScript cannot compile raise saying what works
+                                 (_not_scriptable, _script_unsupported)
 
 The decomposition reads the level sizes from spatial_shapes as the graph runs when it is a
 tensor (so image sizes may vary), or bakes them in when it is a list.
@@ -37,7 +41,7 @@ from ._decompose import decompose
 from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
 from ._tables import _starts_of
 
-__all__ = ["onnx_options", "TENSORRT_PLUGIN"]
+__all__ = ["onnx_options", "decompositions", "TENSORRT_PLUGIN"]
 
 TENSORRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
 _TENSORRT_DOMAIN = "trt"
@@ -153,6 +157,32 @@ def _onnx(value, spatial_shapes, level_start_index, sampling_locations, attentio
                       stacklevel=4)
     return _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights, num_points_list, flags, _options.method)
+
+
+def decompositions():
+    """A decomposition table for ExportedProgram.run_decompositions: pymsda's op
+    (torch.ops.pymsda.ms_deform_attn_forward, what torch.export records) written with standard
+    torch operators, the graph torch.onnx.export records for the op (inside onnx_options, with
+    those options; method="grid_sample" needs shapes as a list, which an exported program no
+    longer has). For an ExportedProgram that torch.onnx.export, or any runtime without pymsda,
+    should take:
+
+        exported = torch.export.export(model, args)
+        torch.onnx.export(exported.run_decompositions(pymsda.export.decompositions()), ...)
+
+    Other operators are left as they are; merge the table into another (e.g.
+    torch.export.default_decompositions()) to decompose those too."""
+    if not HAS_TORCH_LIBRARY_OPS:
+        raise RuntimeError(f"pymsda: torch {torch.__version__} has no torch.library.custom_op, "
+                           "so no pymsda op is recorded by torch.export to decompose")
+    return {torch.ops.pymsda.ms_deform_attn_forward.default: _exported_forward}
+
+
+def _exported_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, num_points_list, flags):
+    """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_library.py)."""
+    return _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                 num_points_list, flags, dynamo=True)
 
 
 def _tables(spatial_shapes, level_start_index):
