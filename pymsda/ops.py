@@ -107,7 +107,9 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         Eager calls skip the dispatcher and call the library directly. Nothing in the op reads
         a GPU tensor on the host or synchronises (validate aside), and a list of shapes is
         copied to each device once and cached, so calls can be captured in CUDA graphs once
-        the op has run with those shapes outside capture.
+        the op has run with those shapes outside capture. torch.jit.script records a call from
+        scripted code as the op pymsda::ms_deform_attn, which runs this function
+        (pymsda/_script.py); torch.jit.trace and torch.onnx.export: pymsda/export.py.
 
     Raises:
         TypeError for a wrong type or dtype and ValueError for a wrong shape, size, device or
