@@ -17,7 +17,8 @@ class MSDeformAttn(nn.Module):
 
     Same constructor, parameter names (sampling_offsets, attention_weights, value_proj,
     output_proj), initialisation and forward signature as Deformable DETR's MSDeformAttn, so its
-    checkpoints load unchanged.
+    checkpoints load unchanged. torch.jit.script compiles it (input_spatial_shapes a tensor),
+    the MSDA as the op pymsda::ms_deform_attn (pymsda/_script.py).
     """
 
     def __init__(self, d_model=256, n_levels=4, n_heads=8, n_points=4):

@@ -53,9 +53,10 @@ def ms_deform_attn_core_pytorch(value, value_spatial_shapes, sampling_locations,
                                 attention_weights,
                                 value_spatial_shapes_hw: Optional[List[Tuple[int, int]]] = None):
     # annotated as RF-DETR's, for torch.jit.script (which records the op pymsda::ms_deform_attn)
-    levels, points = sampling_locations.shape[3], sampling_locations.shape[4]
     value = value.permute(0, 3, 1, 2)
-    attention_weights = attention_weights.unflatten(3, (levels, points))
+    # (batch, len_q, n_heads, L * P) -> (.., L, P); reshape, not unflatten, which torch 1.13's
+    # ONNX exporter does not take
+    attention_weights = attention_weights.reshape(sampling_locations.shape[:5])
     if value_spatial_shapes_hw is None:
         return ms_deform_attn(value, value_spatial_shapes, None, sampling_locations,
                               attention_weights)
