@@ -12,7 +12,7 @@ import torch
 from . import _buffers, _lib, export, reference, routes
 from .modules import MSDeformAttn
 from .ops import MSDeformAttnFunction, ms_deform_attn
-from . import _script  # noqa: E402 (registers the op that torch.jit.script records)
+from . import _script  # registers the op that torch.jit.script records
 
 __version__ = "0.1.0"
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",
