@@ -5,6 +5,7 @@ exporters and torch.export (and the ExportedProgram given to torch.onnx.export),
 compared with eager; or refused with an error that names pymsda and says what to do. What each
 records (the op, the decomposition) is checked in tests/test_export.py and
 tests/test_torch_library.py against the float64 oracle."""
+import importlib.util
 import inspect
 import io
 import warnings
@@ -28,8 +29,9 @@ HAS_CUSTOM_OP = pymsda.ops.HAS_TORCH_LIBRARY_OPS
 HAS_EXPORT = HAS_CUSTOM_OP and hasattr(getattr(torch, "export", None), "export")
 requires_export = requires_torch_feature(HAS_EXPORT, "torch.export with torch.library custom ops")
 requires_dynamo_exporter = requires_torch_feature(
-    HAS_EXPORT and "dynamo" in inspect.signature(torch.onnx.export).parameters,
-    "torch.onnx.export(dynamo=True)")
+    HAS_EXPORT and "dynamo" in inspect.signature(torch.onnx.export).parameters
+    and importlib.util.find_spec("onnxscript") is not None,
+    "torch.onnx.export(dynamo=True) (or no onnxscript, which it needs)")
 _TORCHSCRIPT = ({"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters
                 else {})  # torch 1.13's export has only the TorchScript exporter, no keyword
 
