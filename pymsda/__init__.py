@@ -4,13 +4,15 @@ The library is built without any PyTorch header, so one build works across PyTor
 versions. Public API: ms_deform_attn, MSDeformAttnFunction, MSDeformAttn, reference. Where torch
 has torch.library.custom_op (2.4 and later), importing pymsda also registers the operators
 torch.ops.pymsda.ms_deform_attn_forward and torch.ops.pymsda.ms_deform_attn_backward, which
-torch.compile and torch.export trace (pymsda.ops.HAS_TORCH_LIBRARY_OPS says whether they are).
+torch.compile and torch.export trace (pymsda.ops.HAS_TORCH_LIBRARY_OPS says whether they are);
+and, on every torch, pymsda::ms_deform_attn, which torch.jit.script records for ms_deform_attn.
 """
 import torch
 
 from . import _buffers, _lib, export, reference, routes
 from .modules import MSDeformAttn
 from .ops import MSDeformAttnFunction, ms_deform_attn
+from . import _script  # registers the op that torch.jit.script records
 
 __version__ = "0.1.0"
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",

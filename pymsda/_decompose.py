@@ -78,9 +78,10 @@ def decompose(value, spatial_shapes, level_start_index, sampling_locations, atte
     return out.to(value.dtype)
 
 
-def _level_vectors(spatial_shapes, level_start_index, level_of, dtype, device):
+def _level_vectors(spatial_shapes, level_start_index, counts, dtype, device):
     """Each point's level width and height (dtype) and start in S (int64), (N,) vectors:
     constants for a list of shapes, gathered from the tables when they are tensors."""
+    level_of = [level for level, n in enumerate(counts) for _ in range(n)]
     if not isinstance(spatial_shapes, torch.Tensor):
         starts, _ = _starts_of(spatial_shapes)
         return (torch.tensor([float(spatial_shapes[l][1]) for l in level_of], dtype=dtype,
@@ -92,7 +93,10 @@ def _level_vectors(spatial_shapes, level_start_index, level_of, dtype, device):
     if level_start_index is None:
         sizes = shapes[:, 0] * shapes[:, 1]
         level_start_index = torch.cumsum(sizes, 0) - sizes
-    which = torch.tensor(level_of, dtype=torch.int64, device=device)
+    # each point's level, built without torch.tensor (whose constant run_decompositions of an
+    # ExportedProgram cannot functionalize: pymsda/export.py, _exported_forward)
+    which = torch.cat([torch.full((n,), level, dtype=torch.int64, device=device)
+                       for level, n in enumerate(counts) if n])
     per_point = shapes.index_select(0, which)
     return (per_point[:, 1].to(dtype), per_point[:, 0].to(dtype),
             level_start_index.to(device=device, dtype=torch.int64).index_select(0, which))
@@ -109,8 +113,7 @@ def _gather_form(v, spatial_shapes, level_start_index, loc, attn, counts, neares
     """All levels at once: each point's level size and start are (N,) vectors, so the index
     arithmetic runs once over (B, Q, H, N)."""
     B, S, H, C = v.shape[0], v.shape[1], v.shape[2], v.shape[3]
-    level_of = [level for level, n in enumerate(counts) for _ in range(n)]
-    width, height, start = _level_vectors(spatial_shapes, level_start_index, level_of,
+    width, height, start = _level_vectors(spatial_shapes, level_start_index, counts,
                                           loc.dtype, v.device)
     x, y, finite = _finite_locations(loc)
     x, y = x * width, y * height  # (B, Q, H, N), in pixels from the level's corner
@@ -126,7 +129,7 @@ def _gather_form(v, spatial_shapes, level_start_index, loc, attn, counts, neares
     offset = (start * H + torch.arange(H, dtype=torch.int64, device=v.device)[:, None])
     batches = torch.arange(B, dtype=torch.int64, device=v.device) * (S * H)
     row = (pixel.to(torch.int64) * H + offset.unsqueeze(-1)) + batches.reshape(-1, 1, 1, 1, 1)
-    K = len(level_of) * (1 if nearest else 4)
+    K = sum(counts) * (1 if nearest else 4)
     picked = v.reshape(-1, C).index_select(0, row.reshape(-1))  # (B*Q*H*K, C)
     out = torch.matmul(coefficient.reshape(-1, 1, K), picked.reshape(-1, K, C))
     return out.reshape(B, -1, H * C)

@@ -39,6 +39,16 @@ def _forward_impl(value: torch.Tensor, spatial_shapes: torch.Tensor,
 
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
                   attention_weights, num_points_list, flags):
+    if torch.onnx.is_in_onnx_export():
+        # ms_deform_attn records no op while exporting (pymsda/export.py), so this one comes
+        # from a graph made before: an ExportedProgram, or its module()
+        raise RuntimeError(
+            "pymsda: torch.onnx.export was given a graph that holds pymsda's op "
+            "pymsda::ms_deform_attn_forward (an ExportedProgram from torch.export, or its "
+            "module()), which ONNX has no operator for. Decompose it first: "
+            "torch.onnx.export(exported_program.run_decompositions("
+            "pymsda.export.decompositions()), ...); or export the model itself: "
+            "torch.onnx.export(model, args, dynamo=True) records the decomposition")
     B, S, H, C, L, Q, P = _check_shapes_only(value, spatial_shapes, level_start_index,
                                              sampling_locations, attention_weights,
                                              num_points_list)

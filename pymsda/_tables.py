@@ -215,11 +215,12 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
     return _Levels(shapes, starts, None)
 
 
-def shapes_tensor(spatial_shapes, device):
+def shapes_tensor(spatial_shapes, device: torch.device):
     """spatial_shapes as an (L, 2) tensor, for modules that pass it on to the op. A list becomes
     the op's own cached int64 tensor on device (checked; the same tensor for the same shapes),
     so an eager call copies nothing to the GPU and can be captured in a CUDA graph; while
-    torch.compile traces, a constant of the graph."""
+    torch.compile traces, a constant of the graph. (device is annotated for torch.jit.script of
+    MSDeformAttn, which compiles only the first branch: spatial_shapes is a tensor there.)"""
     if isinstance(spatial_shapes, torch.Tensor):
         return spatial_shapes
     if _tracing():

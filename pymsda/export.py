@@ -7,9 +7,13 @@
       (dynamo=False and True)    opset 11 and later; or, inside onnx_options(tensorrt=True), one
                                  MultiscaleDeformableAttnPlugin_TRT node where the plugin can
                                  express the call
-    torch.export, torch.compile  the registered op (pymsda/_library.py)
-    torch.jit.script             not scriptable: trace instead (MSDeformAttn says so when
-                                 scripted)
+    torch.export, torch.compile  the registered op (pymsda/_library.py); decompositions() turns
+                                 it into the decomposition in an ExportedProgram (for
+                                 torch.onnx.export of the program)
+    torch.jit.script             the op pymsda::ms_deform_attn (pymsda/_script.py), whose kernel
+                                 is ms_deform_attn: scripted code computes what eager code does;
+                                 drop-ins TorchScript cannot compile raise saying what works
+                                 (_not_scriptable, _script_unsupported)
 
 The decomposition reads the level sizes from spatial_shapes as the graph runs when it is a
 tensor (so image sizes may vary), or bakes them in when it is a list.
@@ -37,7 +41,7 @@ from ._decompose import decompose
 from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
 from ._tables import _starts_of
 
-__all__ = ["onnx_options", "TENSORRT_PLUGIN"]
+__all__ = ["onnx_options", "decompositions", "TENSORRT_PLUGIN"]
 
 TENSORRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
 _TENSORRT_DOMAIN = "trt"
@@ -82,12 +86,26 @@ def onnx_options(tensorrt=False, plugin_version="1", method="gather"):
 
 
 def _not_scriptable(module):
-    """__prepare_scriptable__ of the modules built on the op: torch.jit.script cannot compile a
-    call into a C library, so say what works instead of failing deep inside the compiler."""
+    """__prepare_scriptable__ of the drop-in modules whose forward TorchScript cannot compile
+    (that of the project they mirror cannot be scripted either): say what works instead of
+    failing deep inside the compiler."""
     raise RuntimeError(
-        f"{type(module).__name__} cannot be compiled by torch.jit.script: pymsda's op calls a C "
-        "library. Use torch.jit.trace (it records the op), torch.export or torch.compile, or "
-        "torch.onnx.export for ONNX (see README, Export)")
+        f"pymsda: {type(module).__module__}.{type(module).__qualname__} cannot be compiled by "
+        "torch.jit.script (its forward is Python that TorchScript does not take, as is the "
+        "original's). Use torch.jit.trace (it records pymsda's op), torch.export or "
+        "torch.onnx.export; or script code that calls pymsda.ms_deform_attn or holds "
+        "pymsda.MSDeformAttn, which TorchScript compiles (see README, Export)")
+
+
+def _script_unsupported(function, why):
+    """Marks function (returned) so that torch.jit.script, of it or of code calling it, raises
+    this instead of TorchScript's own error about the function's Python."""
+    function.__script_unsupported = (
+        f"pymsda: {function.__module__}.{function.__qualname__} cannot be compiled by "
+        f"torch.jit.script ({why}). Use torch.jit.trace (it records pymsda's op), torch.export "
+        "or torch.onnx.export; or script code that calls pymsda.ms_deform_attn, which "
+        "TorchScript records as the operator pymsda::ms_deform_attn (see README, Export)")
+    return function
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +157,32 @@ def _onnx(value, spatial_shapes, level_start_index, sampling_locations, attentio
                       stacklevel=4)
     return _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights, num_points_list, flags, _options.method)
+
+
+def decompositions():
+    """A decomposition table for ExportedProgram.run_decompositions: pymsda's op
+    (torch.ops.pymsda.ms_deform_attn_forward, what torch.export records) written with standard
+    torch operators, the graph torch.onnx.export records for the op (inside onnx_options, with
+    those options; method="grid_sample" needs shapes as a list, which an exported program no
+    longer has). For an ExportedProgram that torch.onnx.export, or any runtime without pymsda,
+    should take:
+
+        exported = torch.export.export(model, args)
+        torch.onnx.export(exported.run_decompositions(pymsda.export.decompositions()), ...)
+
+    Other operators are left as they are; merge the table into another (e.g.
+    torch.export.default_decompositions()) to decompose those too."""
+    if not HAS_TORCH_LIBRARY_OPS:
+        raise RuntimeError(f"pymsda: torch {torch.__version__} has no torch.library.custom_op, "
+                           "so no pymsda op is recorded by torch.export to decompose")
+    return {torch.ops.pymsda.ms_deform_attn_forward.default: _exported_forward}
+
+
+def _exported_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, num_points_list, flags):
+    """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_library.py)."""
+    return _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                 num_points_list, flags, dynamo=True)
 
 
 def _tables(spatial_shapes, level_start_index):

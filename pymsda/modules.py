@@ -1,12 +1,12 @@
 """nn.Modules built on the op."""
 import math
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ._tables import shapes_tensor
-from .export import _not_scriptable
 from .ops import ms_deform_attn
 
 __all__ = ["MSDeformAttn"]
@@ -17,7 +17,8 @@ class MSDeformAttn(nn.Module):
 
     Same constructor, parameter names (sampling_offsets, attention_weights, value_proj,
     output_proj), initialisation and forward signature as Deformable DETR's MSDeformAttn, so its
-    checkpoints load unchanged.
+    checkpoints load unchanged. torch.jit.script compiles it (input_spatial_shapes a tensor),
+    the MSDA as the op pymsda::ms_deform_attn (pymsda/_script.py).
     """
 
     def __init__(self, d_model=256, n_levels=4, n_heads=8, n_points=4):
@@ -36,8 +37,6 @@ class MSDeformAttn(nn.Module):
         self.value_proj = nn.Linear(d_model, d_model)
         self.output_proj = nn.Linear(d_model, d_model)
         self._reset_parameters()
-
-    __prepare_scriptable__ = _not_scriptable  # say what works instead
 
     def _reset_parameters(self):
         nn.init.constant_(self.sampling_offsets.weight.data, 0.0)
@@ -59,7 +58,7 @@ class MSDeformAttn(nn.Module):
         nn.init.constant_(self.output_proj.bias.data, 0.0)
 
     def forward(self, query, reference_points, input_flatten, input_spatial_shapes,
-                input_level_start_index, input_padding_mask=None):
+                input_level_start_index, input_padding_mask: Optional[torch.Tensor] = None):
         """
         query (N, Len_q, d_model); reference_points (N, Len_q, n_levels, 2) as (x, y) in [0, 1]
         (top-left (0, 0), bottom-right (1, 1)) or (N, Len_q, n_levels, 4) as (x, y, w, h) boxes;

@@ -8,6 +8,8 @@ pymsda::ms_deform_attn_forward / _backward (pymsda/_library.py); calls made whil
 torch.export or a dispatch mode traces go through those, where a ctypes call could not be
 recorded. The dispatcher costs several microseconds a call, so eager calls do not use it.
 """
+from typing import Any, Optional
+
 from . import _lib
 from ._autograd import _MetaMSDA, _has_cuda_kernels, _reference, _run
 from ._checks import _Tensor, _deterministic_algorithms, _dispatch_modes, _flags, _is_compiling, \
@@ -105,7 +107,9 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         Eager calls skip the dispatcher and call the library directly. Nothing in the op reads
         a GPU tensor on the host or synchronises (validate aside), and a list of shapes is
         copied to each device once and cached, so calls can be captured in CUDA graphs once
-        the op has run with those shapes outside capture.
+        the op has run with those shapes outside capture. torch.jit.script records a call from
+        scripted code as the op pymsda::ms_deform_attn, which runs this function
+        (pymsda/_script.py); torch.jit.trace and torch.onnx.export: pymsda/export.py.
 
     Raises:
         TypeError for a wrong type or dtype and ValueError for a wrong shape, size, device or
@@ -166,10 +170,11 @@ def _composable(value, loc, attn):
 class MSDeformAttnFunction:
     """Deformable DETR's autograd function, as `MSDeformAttnFunction.apply(value,
     value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
-    im2col_step)`; im2col_step is ignored."""
+    im2col_step)`; im2col_step is ignored. The annotations are for torch.jit.script, which
+    compiles the class and records the op pymsda::ms_deform_attn (pymsda/_script.py)."""
 
     @staticmethod
-    def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-              attention_weights, im2col_step=None):
+    def apply(value, value_spatial_shapes: Any, value_level_start_index: Any, sampling_locations,
+              attention_weights, im2col_step: Optional[int] = None):
         return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
                               sampling_locations, attention_weights, im2col_step)

@@ -3,6 +3,8 @@ for devices the C library does not serve. Runs on any device and dtype grid_samp
 import torch
 import torch.nn.functional as F
 
+from .export import _script_unsupported
+
 __all__ = ["ms_deform_attn_pytorch"]
 
 
@@ -84,3 +86,7 @@ def ms_deform_attn_pytorch(value, spatial_shapes, sampling_locations, attention_
     weights = attention_weights.transpose(1, 2).reshape(B * H, 1, Q, N)
     out = (sampled * weights).sum(-1)  # (B*H, C, Q)
     return out.view(B, H * C, Q).transpose(1, 2).contiguous()
+
+
+_script_unsupported(ms_deform_attn_pytorch, "the pure-PyTorch MSDA reads the level sizes on the "
+                    "host, as mmcv's and Deformable DETR's do")

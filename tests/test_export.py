@@ -1,7 +1,8 @@
 """Export (issue 29): what ms_deform_attn records under torch.jit.trace / script and both ONNX
 exporters, checked by running what was recorded (TorchScript, ONNX Runtime) on inputs other
 than the traced ones and comparing with eager and the float64 oracle; and the TensorRT node's
-structure, run with the node replaced by the decomposition."""
+structure, run with the node replaced by the decomposition. Every entry point (MSDeformAttn,
+the drop-ins) under every tracer: tests/test_export_entry_points.py."""
 import inspect
 import io
 import warnings
@@ -13,7 +14,6 @@ import torch
 import pymsda
 from pymsda import export
 from pymsda._decompose import decompose
-from pymsda.compat import deformable_detr, extension, mmcv, paddle, rtdetr, transformers
 from conftest import requires_torch_feature
 from factories import (flat_size, level_start_index_of, make_inputs, make_point_inputs,
                        oracle_forward, oracle_forward_general, rel_l2)
@@ -181,114 +181,13 @@ def test_jit_trace_of_the_op_differentiates(generator):
         assert rel_l2(grad, want) < 1e-12
 
 
-def _entry_points(generator):
-    """(name, callable, args) for every public entry point that runs the op, on the same
-    numbers: the output of each must equal ms_deform_attn's."""
-    value, loc, attn, inputs = _inputs(generator, 2, 9)
-    shapes, starts = inputs["spatial_shapes"], inputs["level_start_index"]
-    flat_loc, flat_attn = loc.flatten(3, 4), attn.flatten(3, 4)
-    counts = [3] * len(SHAPES)
-    layer = transformers.MultiScaleDeformableAttention()
-    return [
-        ("ms_deform_attn", lambda v, l, a: pymsda.ms_deform_attn(v, shapes, starts, l, a),
-         (value, loc, attn)),
-        ("MSDeformAttnFunction", lambda v, l, a: deformable_detr.MSDeformAttnFunction.apply(
-            v, shapes, starts, l, a, 64), (value, loc, attn)),
-        ("mmcv", lambda v, l, a: mmcv.MultiScaleDeformableAttnFunction.apply(
-            v, shapes, starts, l, a, 64), (value, loc, attn)),
-        ("transformers", lambda v, l, a: layer(v, shapes, SHAPES, starts, l, a, 64),
-         (value, loc, attn)),
-        ("rtdetr", lambda v, l, a: rtdetr.deformable_attention_core_func(v, SHAPES, l, a),
-         (value, loc, attn)),
-        ("rtdetr_v2", lambda v, l, a: rtdetr.deformable_attention_core_func_v2(
-            v, SHAPES, l.flatten(3, 4), a.flatten(3, 4), counts), (value, loc, attn)),
-        ("paddle", lambda v, l, a: paddle.ms_deformable_attn(v, shapes, starts, l, a),
-         (value, loc, attn)),
-        ("extension", lambda v, l, a: extension.ms_deform_attn_forward(
-            v, shapes, starts, l, a, 64), (value, loc, attn)),
-    ], (flat_loc, flat_attn)
-
-
-def test_jit_trace_of_every_entry_point_reruns_to_eager(generator):
-    entries, _ = _entry_points(generator)
-    value, loc, attn, inputs = _other_inputs(generator)
-    expected = oracle_forward(inputs)
-    for name, fn, args in entries:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            traced = torch.jit.trace(fn, args)
-        out = traced(value, loc, attn)
-        assert out.shape == (3, 4, 15), name
-        assert rel_l2(out, expected) < 1e-6, name
-
-
-def _module_inputs(generator, batch, queries, d_model=32, levels=2):
-    shapes = SHAPES[:levels]
-    query = torch.randn(batch, queries, d_model, generator=generator)
-    reference_points = torch.rand(batch, queries, levels, 2, generator=generator)
-    flat = torch.randn(batch, flat_size(shapes), d_model, generator=generator)
-    return (query, reference_points, flat, torch.tensor(shapes),
-            torch.tensor(level_start_index_of(shapes)))
-
-
-def test_jit_trace_of_msdeformattn_reruns_to_eager(generator):
-    module = pymsda.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2).eval()
-    torch.nn.init.normal_(module.sampling_offsets.weight, std=0.3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = torch.jit.trace(module, _module_inputs(generator, 2, 7))
-    args = _module_inputs(generator, 3, 5)
-    with torch.no_grad():
-        out, expected = traced(*args), module(*args)
-    assert out.shape == (3, 5, 32)
-    assert rel_l2(out, expected) < 1e-6
-
-
-def test_jit_trace_of_rtdetrv2_module_reruns_to_eager(generator):
-    module = rtdetr.MSDeformableAttention(embed_dim=32, num_heads=4, num_levels=2,
-                                          num_points=[2, 3]).eval()
-    torch.nn.init.normal_(module.sampling_offsets.weight, std=0.3)
-
-    def args(batch, queries):
-        query, reference_points, flat, _, _ = _module_inputs(generator, batch, queries)
-        return query, reference_points, flat, SHAPES[:2]
-    class WithShapes(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attention = module
-
-        def forward(self, query, reference_points, value):
-            return self.attention(query, reference_points, value, SHAPES[:2])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = torch.jit.trace(WithShapes(), args(2, 7)[:3])
-    call = args(3, 5)
-    with torch.no_grad():
-        assert rel_l2(traced(*call[:3]), module(*call)) < 1e-6
-
-
-@pytest.mark.parametrize("make", [
-    lambda: pymsda.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2),
-    lambda: rtdetr.MSDeformableAttention(embed_dim=32, num_heads=4, num_levels=2),
-    lambda: transformers.MultiScaleDeformableAttention(),
-], ids=["MSDeformAttn", "rtdetr.MSDeformableAttention", "transformers"])
-def test_jit_script_of_a_model_holding_the_module_says_to_trace(make):
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attention = make()
-
-        def forward(self, x):
-            return x
-    with pytest.raises(RuntimeError, match="torch.jit.trace"):
-        torch.jit.script(Model())
-
-
-def test_jit_script_of_a_function_calling_the_op_raises():
+def test_jit_script_of_a_function_calling_the_op_records_the_op(generator):
     def f(value, loc, attn):
-        return pymsda.ms_deform_attn(value, SHAPES, None, loc, attn)
-    with pytest.raises(Exception):
-        torch.jit.script(f)
+        return pymsda.ms_deform_attn(value, [(5, 7), (3, 4), (1, 1), (2, 6)], None, loc, attn)
+    scripted = torch.jit.script(f)
+    assert "pymsda::ms_deform_attn" in {node.kind() for node in scripted.graph.nodes()}
+    value, loc, attn, inputs = _other_inputs(generator)
+    assert rel_l2(scripted(value, loc, attn), oracle_forward(inputs)) < 1e-6
 
 
 # ---- ONNX: both exporters, ONNX Runtime against eager ---------------------------------------
@@ -544,6 +443,29 @@ def test_tensorrt_option_falls_back_to_the_decomposition_with_a_warning(generato
         loc, attn = loc.flatten(3, 4), attn.flatten(3, 4)
     assert rel_l2(_run(model, value, loc, attn),
                   pymsda.ms_deform_attn(value, SHAPES, None, loc, attn, **options)) < 1e-6
+
+
+@requires_dynamo_exporter
+def test_tensorrt_node_from_an_exported_program_runs_to_eager(generator):
+    """An ExportedProgram decomposed inside onnx_options(tensorrt=True): the plugin node, its
+    tables computed from the program's shape constant."""
+    if _onnxscript_missing():
+        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+    value, loc, attn, _ = _inputs(generator, 2, 9)
+    batch, queries = torch.export.Dim("batch"), torch.export.Dim("queries")
+    program = torch.export.export(Call(SHAPES), (value, loc, attn), dynamic_shapes=(
+        {0: batch}, {0: batch, 1: queries}, {0: batch, 1: queries}))
+    with export.onnx_options(tensorrt=True):
+        program = program.run_decompositions(export.decompositions())
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(program, (value, loc, attn), f, dynamo=True)
+    model = onnx.load_from_string(f.getvalue())
+    assert len(_plugin_nodes(model)) == 1
+    value, loc, attn, _ = _other_inputs(generator)
+    out = _run(_with_decomposed_plugin(model, torch.float32), value, loc, attn)
+    assert rel_l2(out, pymsda.ms_deform_attn(value, SHAPES, None, loc, attn)) < 1e-6
 
 
 def test_onnx_options_reject_unknown_values():

@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from ..export import _script_unsupported
+
 # (module name, attribute) -> (the project's original, what replaced it)
 _SWITCHED = {}
 
@@ -39,7 +41,8 @@ def routed(original, replacement):
         if exporting():
             return original(*args, **kwargs)
         return replacement(*args, **kwargs)
-    return function
+    return _script_unsupported(function, "switched to pymsda by install(); uninstall() restores "
+                               "the project's own")
 
 
 def _module(module_or_name):

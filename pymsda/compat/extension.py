@@ -13,9 +13,12 @@ level_start_index (L,), sampling_locations (B, Q, H, L, P, 2), attention_weights
 its input. im2col_step is accepted and ignored (any batch size works). Like the extension,
 neither function records an autograd graph: the caller's autograd.Function does that.
 """
+from typing import Any
+
 import torch
 
 from .. import _lib, ops
+from ..export import _script_unsupported
 from ..ops import ms_deform_attn
 
 __all__ = ["ms_deform_attn_forward", "ms_deform_attn_backward"]
@@ -23,8 +26,9 @@ __all__ = ["ms_deform_attn_forward", "ms_deform_attn_backward"]
 _LIBRARY_HAS_CUDA = bool(_lib.lib.msda_has_cuda())
 
 
-def ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index,
-                           sampling_locations, attention_weights, im2col_step):
+def ms_deform_attn_forward(value, value_spatial_shapes: Any, value_level_start_index: Any,
+                           sampling_locations, attention_weights, im2col_step: int):
+    # annotated for torch.jit.script, which records the op pymsda::ms_deform_attn
     with torch.no_grad():
         return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
                               sampling_locations, attention_weights)
@@ -60,3 +64,7 @@ def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index
                                 leaves[1], leaves[2])
         grads = torch.autograd.grad(output, leaves, grad_output)
     return list(grads)
+
+
+# called by the caller's autograd.Function, which TorchScript cannot compile anyway
+_script_unsupported(ms_deform_attn_backward, "Deformable DETR's autograd.Function calls it")

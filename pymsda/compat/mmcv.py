@@ -24,10 +24,12 @@ import importlib.util
 import math
 import os
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..export import _not_scriptable
 from ..ops import ms_deform_attn
 from ..reference import ms_deform_attn_pytorch
 from . import _switch
@@ -39,9 +41,9 @@ __all__ = ["MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pyto
 class MultiScaleDeformableAttnFunction:
     """mmcv's autograd function: only `apply` is called by user code."""
 
-    @staticmethod
-    def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-              attention_weights, im2col_step=64):
+    @staticmethod  # annotated for torch.jit.script (the op pymsda::ms_deform_attn)
+    def apply(value, value_spatial_shapes: Any, value_level_start_index: Any, sampling_locations,
+              attention_weights, im2col_step: int = 64):
         return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
                               sampling_locations, attention_weights, im2col_step)
 
@@ -66,6 +68,8 @@ class MultiScaleDeformableAttention(nn.Module):
     (num_levels,) -> dropout(output_proj(MSDA)) + identity, query's shape. The deprecated keyword
     residual is taken for identity, as in mmcv. While a tracer or exporter runs the MSDA is the
     pure-PyTorch one, which is what mmcv's module records off CUDA."""
+
+    __prepare_scriptable__ = _not_scriptable  # (**kwargs, like mmcv's) say what works instead
 
     def __init__(self, embed_dims=256, num_heads=8, num_levels=4, num_points=4, im2col_step=64,
                  dropout=0.1, batch_first=False, norm_cfg=None, init_cfg=None,

@@ -13,18 +13,22 @@ list), level_start_index (n_levels,), sampling_locations (bs, query_length, n_he
 n_points, 2), attention_weights (bs, query_length, n_head, n_levels, n_points). Both run
 pymsda's kernels.
 """
+from typing import Any
+
 from ..ops import ms_deform_attn
 
 __all__ = ["ms_deformable_attn", "deformable_attention_core_func"]
 
 
-def ms_deformable_attn(value, spatial_shapes, level_start_index, sampling_locations,
+# Annotated for torch.jit.script, which records the op pymsda::ms_deform_attn for both.
+def ms_deformable_attn(value, spatial_shapes: Any, level_start_index: Any, sampling_locations,
                        attention_weights):
     return ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights)
 
 
-def deformable_attention_core_func(value, value_spatial_shapes, value_level_start_index,
-                                   sampling_locations, attention_weights):
+def deformable_attention_core_func(value, value_spatial_shapes: Any,
+                                   value_level_start_index: Any, sampling_locations,
+                                   attention_weights):
     return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
                           sampling_locations, attention_weights)

@@ -36,6 +36,8 @@ RF-DETR's export mode (MSDeformAttn.export(): sampling locations folded to rank 
 and any call while a tracer or exporter runs, go to RF-DETR's own function, so exported models
 hold the same graph as without pymsda.
 """
+from typing import List, Optional, Tuple
+
 from ..ops import ms_deform_attn
 from . import _switch
 
@@ -48,11 +50,18 @@ _installed_extra = []  # modules passed to install(), for uninstall()
 
 
 def ms_deform_attn_core_pytorch(value, value_spatial_shapes, sampling_locations,
-                                attention_weights, value_spatial_shapes_hw=None):
-    shapes = value_spatial_shapes if value_spatial_shapes_hw is None else value_spatial_shapes_hw
-    levels, points = sampling_locations.shape[3], sampling_locations.shape[4]
-    return ms_deform_attn(value.permute(0, 3, 1, 2), shapes, None, sampling_locations,
-                          attention_weights.unflatten(3, (levels, points)))
+                                attention_weights,
+                                value_spatial_shapes_hw: Optional[List[Tuple[int, int]]] = None):
+    # annotated as RF-DETR's, for torch.jit.script (which records the op pymsda::ms_deform_attn)
+    value = value.permute(0, 3, 1, 2)
+    # (batch, len_q, n_heads, L * P) -> (.., L, P); reshape, not unflatten, which torch 1.13's
+    # ONNX exporter does not take
+    attention_weights = attention_weights.reshape(sampling_locations.shape[:5])
+    if value_spatial_shapes_hw is None:
+        return ms_deform_attn(value, value_spatial_shapes, None, sampling_locations,
+                              attention_weights)
+    return ms_deform_attn(value, value_spatial_shapes_hw, None, sampling_locations,
+                          attention_weights)
 
 
 def _make(original, module):

@@ -24,6 +24,7 @@ own size. On square levels the two agree.
 """
 import functools
 import math
+from typing import Any, List
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,9 @@ __all__ = ["deformable_attention_core_func", "deformable_attention_core_func_v2"
 _SAMPLING = {"default": "bilinear", "discrete": "nearest"}
 
 
-def deformable_attention_core_func(value, value_spatial_shapes, sampling_locations,
+# The two functions are annotated for torch.jit.script, which records the op
+# pymsda::ms_deform_attn for them (value a tensor: D-FINE's list of levels is eager only).
+def deformable_attention_core_func(value, value_spatial_shapes: Any, sampling_locations,
                                    attention_weights):
     return ms_deform_attn(value, value_spatial_shapes, None, sampling_locations,
                           attention_weights)
@@ -50,12 +53,15 @@ def _value_from_levels(levels):
     return torch.cat(list(levels), dim=-1).permute(0, 3, 1, 2)
 
 
-def deformable_attention_core_func_v2(value, value_spatial_shapes, sampling_locations,
-                                      attention_weights, num_points_list, method="default"):
-    try:
-        sampling = _SAMPLING[method]
-    except (KeyError, TypeError):
-        raise ValueError(f"method must be 'default' or 'discrete', got {method!r}") from None
+def deformable_attention_core_func_v2(value, value_spatial_shapes: Any, sampling_locations,
+                                      attention_weights, num_points_list: List[int],
+                                      method: str = "default"):
+    if method == "default":
+        sampling = "bilinear"
+    elif method == "discrete":
+        sampling = "nearest"
+    else:
+        raise ValueError(f"method must be 'default' or 'discrete', got '{method}'")
     if isinstance(value, (list, tuple)):
         value = _value_from_levels(value)
     return ms_deform_attn(value, value_spatial_shapes, None, sampling_locations,

@@ -33,6 +33,7 @@ transformers' own code.
 """
 import inspect
 import warnings
+from typing import Any
 
 from torch import nn
 
@@ -128,11 +129,12 @@ _TARGETS = ([(_modeling(m), "MultiScaleDeformableAttention") for m in _KERNEL_LA
             + [(_modeling(m), "multi_scale_deformable_attention") for m in _FUNCTION_MODELS])
 
 
-def multi_scale_deformable_attention(value, value_spatial_shapes, sampling_locations,
+def multi_scale_deformable_attention(value, value_spatial_shapes: Any, sampling_locations,
                                      attention_weights):
     """Mask2Former's and OneFormer's function: value (batch, S, heads, dim), value_spatial_shapes
     [(H, W), ...] (or an (L, 2) tensor), sampling_locations (batch, Q, heads, L, P, 2),
-    attention_weights (batch, Q, heads, L, P) -> (batch, Q, heads * dim)."""
+    attention_weights (batch, Q, heads, L, P) -> (batch, Q, heads * dim). Annotated for
+    torch.jit.script, which records the op pymsda::ms_deform_attn."""
     return ms_deform_attn(value, value_spatial_shapes, None, sampling_locations,
                           attention_weights)
 

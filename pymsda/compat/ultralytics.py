@@ -31,12 +31,13 @@ _TARGETS = [("ultralytics.nn.modules.transformer", "multi_scale_deformable_attn_
 
 def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
                                         attention_weights):
-    levels = len(value_spatial_shapes)
     # (.., L * P, ..) -> (.., L, P, ..): a view, level 0's points first as in the original
-    points = sampling_locations.shape[3] // levels
+    # (reshape, not unflatten, which torch 1.13's ONNX exporter does not take)
+    size = sampling_locations.shape
+    levels = len(value_spatial_shapes)
+    shape = [size[0], size[1], size[2], levels, size[3] // levels]
     return ms_deform_attn(value, value_spatial_shapes, None,
-                          sampling_locations.unflatten(3, (levels, points)),
-                          attention_weights.unflatten(3, (levels, points)))
+                          sampling_locations.reshape(shape + [2]), attention_weights.reshape(shape))
 
 
 def install():
