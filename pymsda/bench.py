@@ -19,7 +19,7 @@ measure the GPU's time per call rather than the host's launch overhead (--overhe
 A time is the median over reps * sets calls; the table gives the 10th and 90th percentiles beside
 it (the spread of the calls). On the CPU every row of the run is timed together, interleaved:
 each round runs every shape, dtype, pass and implementation in turn (a fast one repeated to
-about 20 ms), for reps rounds and at least 30 s, so that each median spans the whole run and
+about 20 ms), for reps rounds and at least 60 s, so that each median spans the whole run and
 not one second of a shared machine's drift.
 
 Inputs follow bench_shapes.json "locations". realistic: reference points at each query's own pixel
@@ -270,16 +270,18 @@ def _percentiles(times):
 
 # The CPU rows of a run are timed together, interleaved: every round runs each (shape, dtype,
 # pass, implementation) in turn, the order reversed on odd rounds, for at least `reps` rounds
-# and CPU_MIN_SECONDS. A shared machine's speed drifts from second to second (on a 2-vCPU guest
-# the same call's one-second medians varied by 20-60%: kernels/TUNING.md, CPU); timed in a block
-# of its own, each row caught whatever the machine did in its second, and two runs disagreed by
-# that much. Interleaved, every median spans the whole run. Within a round a fast entry repeats
-# its calls until they take about CPU_ROUND_MS, so its median rests on many calls.
-CPU_MIN_SECONDS = 30.0
+# and CPU_MIN_SECONDS (--seconds). A shared machine's speed drifts with its neighbours' load (on
+# a 2-vCPU guest the op's one-second medians switched between ~3.2 and ~5.5 ms in spells of
+# 10-50 s: kernels/TUNING.md, CPU); timed in a block of its own, each row caught whatever the
+# machine did in its second, and two runs disagreed by up to 61%. Interleaved, every median
+# spans the whole run, and the run reports how far its own two halves lie apart (drift_line).
+# Within a round a fast entry repeats its calls to about CPU_ROUND_MS, so its median rests on
+# many calls.
+CPU_MIN_SECONDS = 60.0
 CPU_ROUND_MS = 20.0
 
 
-def _time_cpu_rows(jobs, reps, warmup, reference, op):
+def _time_cpu_rows(jobs, reps, warmup, reference, op, seconds=None):
     """Fills the timing columns of CPU rows. jobs: (row, input_sets) pairs, row["pass"] set. A
     reference that fails (building its graph, warming up or later) gets "n/a" and its reason;
     the others go on."""
@@ -316,7 +318,8 @@ def _time_cpu_rows(jobs, reps, warmup, reference, op):
     gc.disable()
     try:
         begin, rounds = time.perf_counter(), 0
-        while rounds < reps or (time.perf_counter() - begin < CPU_MIN_SECONDS and rounds < 10 * reps):
+        seconds = CPU_MIN_SECONDS if seconds is None else seconds
+        while rounds < reps or (time.perf_counter() - begin < seconds and rounds < 10 * reps):
             order = range(len(entries)) if rounds % 2 == 0 else range(len(entries) - 1, -1, -1)
             for k in order:
                 if not alive[k]:
@@ -326,24 +329,33 @@ def _time_cpu_rows(jobs, reps, warmup, reference, op):
                         for call in entries[k][2]:
                             start = time.perf_counter()
                             call()
-                            times[k].append((time.perf_counter() - start) * 1e3)
+                            times[k].append((rounds, (time.perf_counter() - start) * 1e3))
                 except Exception as error:
                     if entries[k][1] == "pymsda":
                         raise
                     entries[k][0]["reference_note"] = _failure(error)
                     alive[k] = False
             rounds += 1
+        elapsed = time.perf_counter() - begin
     finally:
         if enabled:
             gc.enable()
+    halves = {}  # how far each entry's medians of the first and the second half of rounds lie apart
     for (row, name, _), ts, ok in zip(entries, times, alive):
         if ok:
-            row[name + "_ms"], *row[name + "_p10_p90_ms"] = _percentiles(ts)
+            row[name + "_ms"], *row[name + "_p10_p90_ms"] = _percentiles([t for _, t in ts])
+            first = [t for r, t in ts if 2 * r < rounds]
+            second = [t for r, t in ts if 2 * r >= rounds]
+            if first and second:
+                a, b = statistics.median(first), statistics.median(second)
+                label = " ".join(str(row.get(key)) for key in ("shape", "dtype", "pass"))
+                halves[f"{label} {name}"] = max(a, b) / min(a, b) - 1 if min(a, b) > 0 else 0.0
     for row, _ in jobs:
         if row["reference_ms"] is not None and row["pymsda_ms"] > 0:
             row["speedup"] = row["reference_ms"] / row["pymsda_ms"]
         elif row["reference_note"] is None:
             row["reference_note"] = "failed"
+    return {"rounds": rounds, "seconds": elapsed, "halves_apart": halves}
 
 
 def _failure(error):
@@ -493,7 +505,7 @@ def _time_pass(input_sets, pass_name, reps, device, warmup, reference, op=_pymsd
 
 def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, reps=None,
         sets=3, reference=True, overhead=False, command=None, progress=True,
-        deterministic=False, points32=False):
+        deterministic=False, points32=False, seconds=None):
     """Benchmarks every shape x dtype x pass. shapes: {name: spec} (default: the device's group of
     bench_shapes.json); dtypes: names of DTYPES. Returns {"metadata", "settings", "shapes", "rows",
     "overhead"}; one row per shape, dtype and pass, its "errors" shared by the shape's dtype."""
@@ -504,19 +516,21 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     # CPU: 10 calls warm up (a process's first backward faults its pooled gradient buffers in);
     # then 20 rounds at least, interleaved over the whole run (_time_cpu_rows)
     reps = reps or (30 if cuda else 20)
+    seconds = CPU_MIN_SECONDS if seconds is None else seconds
     warmup = max(5, sets) if cuda else max(10, sets)  # every input set at least once
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
     metadata = environment(device, command)
     settings = dict(device=str(device), dtypes=dtypes, dist=dist, passes=list(passes), reps=reps,
                     sets=sets, warmup=warmup, reference=reference, threads=torch.get_num_threads(),
-                    deterministic=deterministic, points32=points32)
+                    deterministic=deterministic, points32=points32,
+                    seconds=None if cuda else seconds)
     for key, text in metadata.items():
         log(f"{key + ':':9s} {text}")
     log("settings: " + " ".join(f"{k}={v}" for k, v in settings.items()))
     time_pass = functools.partial(_time_pass, reps=reps, device=device, warmup=warmup,
                                   reference=reference,
                                   op=_pymsda_deterministic if deterministic else _pymsda)
-    rows, cpu_jobs = [], []
+    rows, cpu_jobs, cpu_timing = [], [], None
     for name, spec in shapes.items():
         for dtype_name in dtypes:
             half = DTYPES[dtype_name] in (torch.float16, torch.bfloat16)
@@ -541,14 +555,29 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             del input_sets
             rows += group
     if cpu_jobs:
-        log(f"timing {len(cpu_jobs)} rows interleaved, {CPU_MIN_SECONDS:.0f} s at least")
-        _time_cpu_rows(cpu_jobs, reps, warmup, reference,
-                       _pymsda_deterministic if deterministic else _pymsda)
+        log(f"timing {len(cpu_jobs)} rows interleaved, {seconds:g} s at least")
+        cpu_timing = _time_cpu_rows(cpu_jobs, reps, warmup, reference,
+                                    _pymsda_deterministic if deterministic else _pymsda, seconds)
         del cpu_jobs
         for i in range(0, len(rows), len(passes)):
             _log_group(log, rows[i:i + len(passes)])
+        log(drift_line(cpu_timing))
     return {"metadata": metadata, "settings": settings, "shapes": shapes, "rows": rows,
-            "overhead": measure_overhead(device, reference) if overhead else None}
+            "overhead": measure_overhead(device, reference) if overhead else None,
+            "cpu_timing": cpu_timing}
+
+
+def drift_line(timing):
+    """What the CPU run says of its own machine: how far the medians of its first and second
+    half of rounds lie apart (the largest over the rows). A shared machine's speed drifts over
+    tens of seconds with its neighbours' load; another run's medians may differ by as much."""
+    halves = timing["halves_apart"]
+    if not halves:
+        return f"{timing['rounds']} rounds in {timing['seconds']:.0f} s"
+    worst = max(halves, key=halves.get)
+    return (f"{timing['rounds']} rounds in {timing['seconds']:.0f} s; the medians of the first and "
+            f"second half of the rounds differ by up to {100 * halves[worst]:.0f}% ({worst}): "
+            f"{'the machine held steady' if halves[worst] <= 0.1 else 'the machine drifted, and another run may differ by as much'}")
 
 
 def _log_group(log, group):
@@ -595,8 +624,11 @@ def main(argv=None):
     parser.add_argument("--dist", choices=DISTRIBUTIONS, default="realistic")
     parser.add_argument("--pass", dest="passes", type=_comma_list(PASSES), default=list(PASSES))
     parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda); on cpu "
-                        "interleaved rounds (20 at least, more until 30 s have passed)")
+                        "interleaved rounds (20 at least, more until 60 s have passed)")
     parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"cpu: time the interleaved rounds for this long at least (default "
+                             f"{CPU_MIN_SECONDS:g}; longer on a shared machine whose speed drifts)")
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
     parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")
@@ -620,6 +652,8 @@ def main(argv=None):
     for option in ("reps", "sets", "threads"):
         if getattr(args, option) is not None and getattr(args, option) < 1:
             parser.error(f"--{option} must be at least 1")
+    if args.seconds is not None and not args.seconds >= 0:
+        parser.error("--seconds must be a number of seconds >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     group_name = "gpu" if device == "cuda" else "cpu"
@@ -633,6 +667,7 @@ def main(argv=None):
     result = run({n: group[n] for n in names}, device, args.dtype, args.dist, args.passes,
                  args.reps, args.sets, reference=not args.no_reference, overhead=args.overhead,
                  deterministic=args.deterministic, points32=args.points == "f32",
+                 seconds=args.seconds,
                  command=shlex.join(["python", "-m", "pymsda", "bench"] + argv))
     print()
     print(format_table(result), flush=True)

@@ -255,3 +255,18 @@ def test_queue_ran_dry_flags_idle_gaps_between_timed_calls():
     assert bench.queue_ran_dry([0.002] * 79 + [0.3] * 10)
     assert bench.queue_ran_dry([1.0] * 20)
     assert not bench.queue_ran_dry([])
+
+
+def test_cli_bench_rejects_negative_seconds(capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--device", "cpu", "--seconds", "-1"])
+    assert stop.value.code == 2 and "--seconds" in capsys.readouterr().err
+
+
+def test_drift_line_says_whether_the_halves_of_the_run_agree():
+    steady = {"rounds": 40, "seconds": 60.2, "halves_apart": {"a f32 fwd pymsda": 0.04}}
+    drifted = {"rounds": 40, "seconds": 61.0, "halves_apart": {"a f32 fwd pymsda": 0.04,
+                                                              "b f32 bwd reference": 0.31}}
+    assert "held steady" in bench.drift_line(steady) and "4%" in bench.drift_line(steady)
+    line = bench.drift_line(drifted)
+    assert "31%" in line and "b f32 bwd reference" in line and "drifted" in line
