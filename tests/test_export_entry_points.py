@@ -361,7 +361,17 @@ def test_onnx_export_runs_to_eager_on_other_sizes(generator, name, dynamo):
 
 # ---- torch.export, and its ExportedProgram given to torch.onnx.export -------------------------
 
+# torch.export of the pure-PyTorch MSDA (the entries that record no op of pymsda's) with a
+# dynamic query axis: torch 2.11 stops on guards it cannot prove (min(6*Q, 18*Q) == 6*Q,
+# ConstraintViolationError; seen on the GPU machine's torch 2.11.0), 2.13 and 2.14 pass. The
+# projects' own pure-PyTorch functions are the same code: nothing of pymsda's is involved.
+_EXPORT_PROVES_MIN_GUARDS = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
 def _exported(name, module, recorded):
+    if not ENTRIES[name][2] and not _EXPORT_PROVES_MIN_GUARDS:
+        pytest.skip(f"torch {torch.__version__}'s torch.export cannot export the pure-PyTorch MSDA "
+                    "with a dynamic query axis (its own guard min(6*Q, 18*Q) == 6*Q); 2.13 can")
     return _quietly(torch.export.export, module, recorded, dynamic_shapes=_dims(name))
 
 
