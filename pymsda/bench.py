@@ -52,6 +52,8 @@ import torch
 
 from . import has_cuda
 from .ops import ms_deform_attn
+from . import bench_cpu
+from .bench_cpu import failure as _failure
 from .bench_report import (ERROR_KEYS, GRAD_KEYS, PASSES, _number, environment,  # noqa: F401
                            format_markdown, format_table, plot, write_json)
 from .reference import ms_deform_attn_pytorch
@@ -252,7 +254,7 @@ def _times_ms(calls, reps, device, warmup):
             if not queue_ran_dry([a[1].elapsed_time(b[0]) for a, b in zip(events, events[1:])]):
                 break
         return [start.elapsed_time(end) for start, end in events]
-    # CPU (time_ms's other callers; the bench's CPU rows are timed by _time_cpu_rows)
+    # CPU (time_ms's other callers; the bench's CPU rows are timed by bench_cpu.time_rows)
     times = []
     for _ in range(reps):
         for call in calls:
@@ -260,108 +262,6 @@ def _times_ms(calls, reps, device, warmup):
             call()
             times.append((time.perf_counter() - start) * 1e3)
     return times
-
-
-def _percentiles(times):
-    times = sorted(times)
-    n = len(times)
-    return statistics.median(times), times[int(0.1 * (n - 1))], times[int(round(0.9 * (n - 1)))]
-
-
-# The CPU rows of a run are timed together, interleaved: every round runs each (shape, dtype,
-# pass, implementation) in turn, the order reversed on odd rounds, for at least `reps` rounds
-# and CPU_MIN_SECONDS (--seconds). A shared machine's speed drifts with its neighbours' load (on
-# a 2-vCPU guest the op's one-second medians switched between ~3.2 and ~5.5 ms in spells of
-# 10-50 s: kernels/TUNING.md, CPU); timed in a block of its own, each row caught whatever the
-# machine did in its second, and two runs disagreed by up to 61%. Interleaved, every median
-# spans the whole run, and the run reports how far its own two halves lie apart (drift_line).
-# Within a round a fast entry repeats its calls to about CPU_ROUND_MS, so its median rests on
-# many calls.
-CPU_MIN_SECONDS = 60.0
-CPU_ROUND_MS = 20.0
-
-
-def _time_cpu_rows(jobs, reps, warmup, reference, op, seconds=None):
-    """Fills the timing columns of CPU rows. jobs: (row, input_sets) pairs, row["pass"] set. A
-    reference that fails (building its graph, warming up or later) gets "n/a" and its reason;
-    the others go on."""
-    entries = []  # [row, "pymsda" or "reference", calls]
-    for row, input_sets in jobs:
-        row.update(reference_ms=None, reference_p10_p90_ms=None, speedup=None,
-                   reference_note=None if reference else "not run")
-        entries.append([row, "pymsda", pass_calls(op, input_sets, row["pass"])])
-        if reference:
-            try:
-                entries.append([row, "reference",
-                                pass_calls(ms_deform_attn_pytorch, input_sets, row["pass"])])
-            except Exception as error:
-                row["reference_note"] = _failure(error)
-    repeat, alive = [], []
-    for row, name, calls in entries:  # warm up, then one timed pass sizes the repeats
-        try:
-            for i in range(warmup):
-                calls[i % len(calls)]()
-            start = time.perf_counter()
-            for call in calls:
-                call()
-            per_call_ms = (time.perf_counter() - start) * 1e3 / len(calls)
-        except Exception as error:
-            if name == "pymsda":
-                raise
-            row["reference_note"] = _failure(error)
-            per_call_ms = None
-        alive.append(per_call_ms is not None)
-        round_ms = len(calls) * max(per_call_ms or 0.0, 1e-6)
-        repeat.append(min(1000, max(1, int(CPU_ROUND_MS / round_ms))) if alive[-1] else 0)
-    times = [[] for _ in entries]
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        begin, rounds = time.perf_counter(), 0
-        seconds = CPU_MIN_SECONDS if seconds is None else seconds
-        while rounds < reps or (time.perf_counter() - begin < seconds and rounds < 10 * reps):
-            order = range(len(entries)) if rounds % 2 == 0 else range(len(entries) - 1, -1, -1)
-            for k in order:
-                if not alive[k]:
-                    continue
-                try:
-                    for _ in range(repeat[k]):
-                        for call in entries[k][2]:
-                            start = time.perf_counter()
-                            call()
-                            times[k].append((rounds, (time.perf_counter() - start) * 1e3))
-                except Exception as error:
-                    if entries[k][1] == "pymsda":
-                        raise
-                    entries[k][0]["reference_note"] = _failure(error)
-                    alive[k] = False
-            rounds += 1
-        elapsed = time.perf_counter() - begin
-    finally:
-        if enabled:
-            gc.enable()
-    halves = {}  # how far each entry's medians of the first and the second half of rounds lie apart
-    for (row, name, _), ts, ok in zip(entries, times, alive):
-        if ok:
-            row[name + "_ms"], *row[name + "_p10_p90_ms"] = _percentiles([t for _, t in ts])
-            first = [t for r, t in ts if 2 * r < rounds]
-            second = [t for r, t in ts if 2 * r >= rounds]
-            if first and second:
-                a, b = statistics.median(first), statistics.median(second)
-                label = " ".join(str(row.get(key)) for key in ("shape", "dtype", "pass"))
-                halves[f"{label} {name}"] = max(a, b) / min(a, b) - 1 if min(a, b) > 0 else 0.0
-    for row, _ in jobs:
-        if row["reference_ms"] is not None and row["pymsda_ms"] > 0:
-            row["speedup"] = row["reference_ms"] / row["pymsda_ms"]
-        elif row["reference_note"] is None:
-            row["reference_note"] = "failed"
-    return {"rounds": rounds, "seconds": elapsed, "halves_apart": halves}
-
-
-def _failure(error):
-    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error):
-        return "out of memory"
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:120]
 
 
 def _free(device):
@@ -514,9 +414,9 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
     shapes = shapes if shapes is not None else load_shapes()["gpu" if cuda else "cpu"]
     dtypes = list(dtypes or (["f32", "bf16", "f16"] if cuda else ["f32"]))
     # CPU: 10 calls warm up (a process's first backward faults its pooled gradient buffers in);
-    # then 20 rounds at least, interleaved over the whole run (_time_cpu_rows)
+    # then 20 rounds at least, interleaved over the whole run (bench_cpu.time_rows)
     reps = reps or (30 if cuda else 20)
-    seconds = CPU_MIN_SECONDS if seconds is None else seconds
+    seconds = bench_cpu.CPU_MIN_SECONDS if seconds is None else seconds
     warmup = max(5, sets) if cuda else max(10, sets)  # every input set at least once
     log = functools.partial(print, flush=True) if progress else (lambda *a, **k: None)
     metadata = environment(device, command)
@@ -556,28 +456,16 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             rows += group
     if cpu_jobs:
         log(f"timing {len(cpu_jobs)} rows interleaved, {seconds:g} s at least")
-        cpu_timing = _time_cpu_rows(cpu_jobs, reps, warmup, reference,
-                                    _pymsda_deterministic if deterministic else _pymsda, seconds)
+        cpu_timing = bench_cpu.time_rows(
+            cpu_jobs, reps, warmup, pass_calls, _pymsda_deterministic if deterministic else _pymsda,
+            ms_deform_attn_pytorch if reference else None, seconds)
         del cpu_jobs
         for i in range(0, len(rows), len(passes)):
             _log_group(log, rows[i:i + len(passes)])
-        log(drift_line(cpu_timing))
+        log(bench_cpu.drift_line(cpu_timing))
     return {"metadata": metadata, "settings": settings, "shapes": shapes, "rows": rows,
             "overhead": measure_overhead(device, reference) if overhead else None,
             "cpu_timing": cpu_timing}
-
-
-def drift_line(timing):
-    """What the CPU run says of its own machine: how far the medians of its first and second
-    half of rounds lie apart (the largest over the rows). A shared machine's speed drifts over
-    tens of seconds with its neighbours' load; another run's medians may differ by as much."""
-    halves = timing["halves_apart"]
-    if not halves:
-        return f"{timing['rounds']} rounds in {timing['seconds']:.0f} s"
-    worst = max(halves, key=halves.get)
-    return (f"{timing['rounds']} rounds in {timing['seconds']:.0f} s; the medians of the first and "
-            f"second half of the rounds differ by up to {100 * halves[worst]:.0f}% ({worst}): "
-            f"{'the machine held steady' if halves[worst] <= 0.1 else 'the machine drifted, and another run may differ by as much'}")
 
 
 def _log_group(log, group):
@@ -628,7 +516,7 @@ def main(argv=None):
     parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
     parser.add_argument("--seconds", type=float, default=None,
                         help=f"cpu: time the interleaved rounds for this long at least (default "
-                             f"{CPU_MIN_SECONDS:g}; longer on a shared machine whose speed drifts)")
+                             f"{bench_cpu.CPU_MIN_SECONDS:g}; longer on a shared machine whose speed drifts)")
     parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
     parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import bench
+from pymsda import bench, bench_cpu
 from conftest import grid_sample_supports, requires_torch_feature
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,10 +33,10 @@ ROW_KEYS = {"shape", "dtype", "dist", "pass", "pymsda_ms", "pymsda_p10_p90_ms", 
 def one_cpu_round():
     """The CPU rows in one interleaved round of one call each (the tests check what the rows
     mean; the bench's own 30 s and 20 ms rounds are for timing)."""
-    saved = bench.CPU_MIN_SECONDS, bench.CPU_ROUND_MS
-    bench.CPU_MIN_SECONDS, bench.CPU_ROUND_MS = 0.0, 0.0
+    saved = bench_cpu.CPU_MIN_SECONDS, bench_cpu.CPU_ROUND_MS
+    bench_cpu.CPU_MIN_SECONDS, bench_cpu.CPU_ROUND_MS = 0.0, 0.0
     yield
-    bench.CPU_MIN_SECONDS, bench.CPU_ROUND_MS = saved
+    bench_cpu.CPU_MIN_SECONDS, bench_cpu.CPU_ROUND_MS = saved
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +226,7 @@ def test_a_failing_reference_gives_na_with_the_reason_and_the_run_goes_on(monkey
     assert "n/a (out of memory)" in bench.format_table(result)
 
 
-def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction(monkeypatch):
+def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction():
     # Every round runs each (row, implementation) in turn, reversed on odd rounds, so that each
     # median spans the whole run; fake calls record the order.
     ran = []
@@ -235,9 +235,9 @@ def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction(monke
         name = "reference" if op is bench.ms_deform_attn_pytorch else "pymsda"
         return [lambda key=(pass_name, name): ran.append(key) for _ in input_sets]
 
-    monkeypatch.setattr(bench, "pass_calls", fake_pass_calls)
     jobs = [({"pass": p}, [None, None]) for p in ("fwd", "bwd")]
-    bench._time_cpu_rows(jobs, reps=3, warmup=0, reference=True, op=bench._pymsda)
+    bench_cpu.time_rows(jobs, reps=3, warmup=0, make_calls=fake_pass_calls, op=bench._pymsda,
+                        reference_op=bench.ms_deform_attn_pytorch)
     entries = [("fwd", "pymsda"), ("fwd", "reference"), ("bwd", "pymsda"), ("bwd", "reference")]
     sizing = [e for e in entries for _ in range(2)]  # one untimed pass of each entry's two calls
     forward = [e for e in entries for _ in range(2)]
@@ -267,6 +267,6 @@ def test_drift_line_says_whether_the_halves_of_the_run_agree():
     steady = {"rounds": 40, "seconds": 60.2, "halves_apart": {"a f32 fwd pymsda": 0.04}}
     drifted = {"rounds": 40, "seconds": 61.0, "halves_apart": {"a f32 fwd pymsda": 0.04,
                                                               "b f32 bwd reference": 0.31}}
-    assert "held steady" in bench.drift_line(steady) and "4%" in bench.drift_line(steady)
-    line = bench.drift_line(drifted)
+    assert "held steady" in bench_cpu.drift_line(steady) and "4%" in bench_cpu.drift_line(steady)
+    line = bench_cpu.drift_line(drifted)
     assert "31%" in line and "b f32 bwd reference" in line and "drifted" in line
