@@ -200,12 +200,11 @@ def time_ms(calls, reps, device, warmup):
     enabled = gc.isenabled()
     gc.disable()
     try:
-        times = sorted(_times_ms(calls, reps, device, warmup))
+        times = _times_ms(calls, reps, device, warmup)
     finally:
         if enabled:
             gc.enable()
-    n = len(times)
-    return statistics.median(times), times[int(0.1 * (n - 1))], times[int(round(0.9 * (n - 1)))]
+    return bench_cpu.percentiles(times)
 
 
 # If the host falls behind the GPU while queuing the timed calls (the sleep kernel ended too
