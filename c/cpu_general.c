@@ -1,6 +1,6 @@
 /* c/cpu_general.c: the CPU forward and backward for every problem the tuned kernels of
  * c/cpu_kernels.c do not serve (msda_needs_general()): per-level point counts (level_points),
- * nearest sampling (MSDA_NEAREST), fused softmax (MSDA_SOFTMAX), and any combination of them.
+ * nearest sampling (MSDA_NEAREST), and both together.
  *
  * Math, gradients and the out-of-range rule: c/msda.h.
  *
@@ -8,15 +8,14 @@
  * task per (b, h), which zeroes grad_value[b, :, h, :], scatters into it and writes the point
  * gradients of its (b, *, h) points: no two threads write the same element, no atomics, and the
  * results do not depend on the thread count (the CPU backward is deterministic).
- * Numerics: ACC (accumulation, softmax) is f32 for f32/f16/bf16 and f64 for f64; positions are
+ * Numerics: ACC (accumulation) is f32 for f32/f16/bf16 and f64 for f64; positions are
  * computed in double, where they are exact. Halves are converted as they are loaded (half.h), the
  * grad_output row once per (b, q, h). Channel loops are innermost and contiguous. With
- * MSDA_POINTS_F32 the half kernels read locations and weights (or logits) as float32 and write
+ * MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write
  * their gradients as float32, testing the flag per point, outside the channel loops.
  * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply.
  * One thread, B=2 Q=300 H=8 C=32 L=4 P=4 f32, on the shared 2-core VM (noise +-30%): the tuned
- * plain op 2.5-4.5 ms forward / 12-17 ms backward; here with softmax 6.5-13 / 15-27 ms, nearest
- * 3.5-4.5 / 6.5-16 ms.
+ * plain op 2.5-4.5 ms forward / 12-17 ms backward; here nearest 3.5-4.5 / 6.5-16 ms.
  * The per-element-type kernels are cpu_general.inc, included once per type (as cpu_kernels.c
  * includes cpu_kernels.inc).
  */
@@ -44,7 +43,7 @@ typedef struct {
     const msda_problem *pr;
     general_level *levels; /* L entries */
     int32_t *point_level;  /* NP entries: the level of each point of a (b, q, h) */
-    int nearest, softmax;
+    int nearest;
 } general_ctx;
 
 /* Where one point reads: up to four corners (nearest: corner 0 alone). */
@@ -64,7 +63,6 @@ static void free_ctx(general_ctx *cx) {
 static int init_ctx(general_ctx *cx, const msda_problem *pr, const char *fn) {
     cx->pr = pr;
     cx->nearest = (pr->flags & MSDA_NEAREST) != 0;
-    cx->softmax = (pr->flags & MSDA_SOFTMAX) != 0;
     cx->levels = (general_level *)malloc((size_t)pr->L * sizeof(general_level));
     cx->point_level = (int32_t *)malloc((size_t)pr->NP * sizeof(int32_t));
     if (!cx->levels || !cx->point_level) {
@@ -207,28 +205,24 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
 #define GENERAL_SUFFIX f32
 #define SCALAR float
 #define ACC float
-#define ACC_EXP expf
 #define HALF_STORAGE 0
 #include "cpu_general.inc"
 
 #define GENERAL_SUFFIX f64
 #define SCALAR double
 #define ACC double
-#define ACC_EXP exp
 #define HALF_STORAGE 0
 #include "cpu_general.inc"
 
 #define GENERAL_SUFFIX f16
 #define SCALAR uint16_t
 #define ACC float
-#define ACC_EXP expf
 #define HALF_STORAGE 1
 #include "cpu_general.inc"
 
 #define GENERAL_SUFFIX bf16
 #define SCALAR uint16_t
 #define ACC float
-#define ACC_EXP expf
 #define HALF_STORAGE 1
 #include "cpu_general.inc"
 

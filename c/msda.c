@@ -122,9 +122,15 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: size %s = %lld must be >= %lld",
                                   fn, sizes[i].name, (long long)sizes[i].v,
                                   (long long)sizes[i].min);
-    if (pr->flags & ~(MSDA_NEAREST | MSDA_SOFTMAX | MSDA_DETERMINISTIC | MSDA_POINTS_F32))
+    if (pr->flags & MSDA_REMOVED_SOFTMAX)
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
-                              "%s: flags = %d has bits outside MSDA_NEAREST | MSDA_SOFTMAX | "
+                              "%s: flags = %d has bit 2, the fused softmax, which the library no "
+                              "longer has (ABI 9): apply the softmax to attention_weights first "
+                              "(pymsda's softmax=True does)",
+                              fn, pr->flags);
+    if (pr->flags & ~(MSDA_NEAREST | MSDA_DETERMINISTIC | MSDA_POINTS_F32))
+        return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
+                              "%s: flags = %d has bits outside MSDA_NEAREST | "
                               "MSDA_DETERMINISTIC | MSDA_POINTS_F32",
                               fn, pr->flags);
     if ((pr->flags & MSDA_POINTS_F32) && pr->dtype != MSDA_F16 && pr->dtype != MSDA_BF16)

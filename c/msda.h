@@ -7,7 +7,7 @@
  * Math (the one statement of it: every kernel, CPU and CUDA, computes exactly this). Per
  * (b, q, h), points i = 0 .. NP-1 (NP = L * P, or P with level_points); point i belongs to
  * level l (the P points of level 0 first, then level 1's, ...):
- *   A_i = attention_weights[b,q,h,i]              (MSDA_SOFTMAX: softmax over the NP logits)
+ *   A_i = attention_weights[b,q,h,i]
  *   x = loc_x * W_l - 0.5,  y = loc_y * H_l - 0.5,  fx = x - floor(x),  fy = y - floor(y)
  *   corner k = 2*dy + dx (dx, dy in {0, 1}) is pixel (floor(x) + dx, floor(y) + dy), weight
  *   w_k = (dx ? fx : 1 - fx) * (dy ? fy : 1 - fy);  v_k = value[b, start_l + y_k*W_l + x_k, h, :]
@@ -15,14 +15,13 @@
  * This equals grid_sample(bilinear, zeros padding, align_corners=False) with grid = 2*loc - 1.
  * Gradients, with g = grad_output[b,q,h,:] and d_i = g . sample_i:
  *   grad_value[b, corner k of i, h, :] += A_i * w_k * g
- *   grad_attention_weights_i = d_i   (MSDA_SOFTMAX: the logit's, A_i * (d_i - sum_j A_j d_j))
+ *   grad_attention_weights_i = d_i
  *   grad_sampling_locations_i = A_i * (W_l * g . ((1-fy)(v1 - v0) + fy (v3 - v2)),
  *                                      H_l * g . ((1-fx)(v2 - v0) + fx (v3 - v1)))
  * Out-of-range rule: a corner outside its level, or whose flat index start_l + y*W_l + x falls
  *   outside [0, S), reads 0 and receives nothing. A point with no corner inside (outside
  *   (-1, W_l) x (-1, H_l)) or a non-finite location adds nothing and gets zero location and
- *   weight gradients, whatever its A (with softmax its logit still shares the normalisation:
- *   its gradient is -A_i * sum_j A_j d_j). Shape tables that disagree with value give wrong
+ *   weight gradients, whatever its A. Shape tables that disagree with value give wrong
  *   numbers at worst, never an access outside the tensors.
  * Numerics: f32 accumulation for f32/f16/bf16, f64 for f64.
  * Flags (a bitwise OR of msda_flags, 0 for the plain op above):
@@ -31,9 +30,8 @@
  *     RT-DETRv2's "discrete" sampling (which clamps both coordinates to H_l-1; here each axis is
  *     clamped to its own size). A non-finite location contributes nothing. The location
  *     gradient is 0 (the sample is piecewise constant in the location).
- *   MSDA_SOFTMAX: attention_weights holds logits; the op uses A = softmax over the L*P (or P)
- *     points of each (b, q, h), computed inside the kernels in the accumulation type, and
- *     grad_attention_weights is the gradient with respect to the logits.
+ *   Bit 2 (MSDA_REMOVED_SOFTMAX) was a fused softmax of the weights until ABI 8; no call took
+ *     it (softmax composed with the plain op was faster), so it is refused: softmax first.
  *   MSDA_DETERMINISTIC (backward): grad_value is accumulated in a fixed order-independent way
  *     (64-bit fixed point in `workspace`, whose integer sums are associative), so that repeated
  *     runs give bitwise identical gradients. On CUDA it needs a workspace of
@@ -43,8 +41,8 @@
  *     torch.autocast hands a half-precision model: value from a half linear layer, locations
  *     and softmaxed weights in float32). Coordinates and weights are then computed from the
  *     float32 numbers, so no location is rounded to the value's 8 or 11 bits. value, output,
- *     grad_output and grad_value keep `dtype`; grad_value is summed in float32 and rounded
- *     once (on CUDA in the workspace: msda_backward_workspace_size).
+ *     grad_output and grad_value keep `dtype`; grad_value is summed as the all-half call sums
+ *     it on that device (see Rules below), by the same route.
  *
  * Rules: the library never allocates device memory, never synchronises, never aborts. Every entry
  * point returns an msda_status; on failure msda_last_error() holds this thread's error text.
@@ -77,7 +75,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a signature or a layout above changes; Python refuses a mismatched library. */
-#define MSDA_ABI_VERSION 8
+#define MSDA_ABI_VERSION 9
 
 /* Most levels a level_points table may name (its prefix sums travel in the kernel arguments). */
 #define MSDA_MAX_POINT_LEVELS 64
@@ -104,7 +102,7 @@ typedef enum {
 
 typedef enum {
     MSDA_NEAREST = 1,       /* nearest-pixel sampling instead of bilinear                   */
-    MSDA_SOFTMAX = 2,       /* attention_weights are logits, softmaxed inside the op          */
+    MSDA_REMOVED_SOFTMAX = 2, /* refused (the fused softmax of ABI <= 8, see Flags above)    */
     MSDA_DETERMINISTIC = 4, /* backward: bitwise reproducible grad_value (needs a workspace)  */
     MSDA_POINTS_F32 = 8,    /* float32 locations and weights with a half-precision dtype      */
 } msda_flags;

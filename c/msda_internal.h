@@ -58,18 +58,18 @@ static inline int64_t msda_point_size(const msda_problem *pr) {
     return (pr->flags & MSDA_POINTS_F32) ? 4 : msda_dtype_size(pr->dtype);
 }
 
-/* CPU kernels (c/cpu_kernels.c): the plain op (uniform points, no MSDA_NEAREST/MSDA_SOFTMAX;
+/* CPU kernels (c/cpu_kernels.c): the plain op (uniform points, no MSDA_NEAREST;
  * MSDA_DETERMINISTIC needs nothing on the CPU). */
 int msda_cpu_forward(const msda_problem *pr);
 int msda_cpu_backward(const msda_problem *pr);
 /* CPU kernels for every other problem (c/cpu_general.c): per-level point counts, nearest
- * sampling, fused softmax. */
+ * sampling. */
 int msda_cpu_forward_general(const msda_problem *pr);
 int msda_cpu_backward_general(const msda_problem *pr);
-/* 1 when the problem uses an option (per-level point counts, nearest sampling, softmax): the
+/* 1 when the problem uses an option (per-level point counts, nearest sampling): the
  * general CPU kernels serve it, and the CUDA fast kernels compiled with their option code. */
 static inline int msda_needs_general(const msda_problem *pr) {
-    return !pr->uniform_points || (pr->flags & (MSDA_NEAREST | MSDA_SOFTMAX));
+    return !pr->uniform_points || (pr->flags & MSDA_NEAREST);
 }
 
 /* msda_level_starts' rule, for host code and kernels alike: the start of level l, the sum of

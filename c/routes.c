@@ -19,13 +19,12 @@ int msda_fast_group(const msda_problem *pr) {
     return (int)G;
 }
 
-/* A half grad_value is summed in an f32 buffer by code older than sm_90 (no half vector
- * atomics), and by every code for float32 points (MSDA_POINTS_F32: autocast's inputs), whose
- * gradients must lose no more than value's rounding: half atomics round each partial sum
- * (grad_value error 2-4.5x value's rounding at the benchmark shapes, kernels/TUNING.md). */
+/* A half grad_value is summed in an f32 buffer only by code older than sm_90 (no half vector
+ * atomics). Calls with float32 points (MSDA_POINTS_F32: autocast's inputs) sum it as the
+ * all-half call does on the same code: the points are read as float32 whatever the route. */
 int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code) {
     return is_half(pr->dtype) && pr->grad_value && !(pr->flags & MSDA_DETERMINISTIC) &&
-           (!sm90_code || (pr->flags & MSDA_POINTS_F32));
+           !sm90_code;
 }
 
 /* One block per `per_block` consecutive items (capped at 2^31 - 1 blocks; the kernels stride). */
@@ -38,9 +37,9 @@ static unsigned int item_blocks(int64_t items, int64_t per_block) {
 /* Slices of each item's points: a grid too small to fill the GPU twice over (decoders of a few
  * hundred queries) splits every item's points over up to MSDA_BWD_MAX_SLICES blocks, at least 4
  * points a slice, so more blocks run; point gradients are per point and grad_value is atomic,
- * so slices need no reduction. Never with softmax (its logit gradient needs all the points). */
+ * so slices need no reduction. */
 static int point_slices(const msda_problem *pr, unsigned int blocks, int multiprocessors) {
-    if ((pr->flags & MSDA_SOFTMAX) || multiprocessors <= 0) return 1;
+    if (multiprocessors <= 0) return 1;
     if ((int64_t)blocks >= 2LL * multiprocessors) return 1;
     const int64_t want = (int64_t)multiprocessors * MSDA_BWD_RESIDENT_BLOCKS;
     int64_t slices = (want + blocks - 1) / blocks;
@@ -69,22 +68,17 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         return;
     }
     const int opt = msda_needs_general(pr);
-    /* float32 points summing grad_value in the f32 workspace: the per-point kernel (the sliced
-     * and pipelined forms are built for the half atomics only) */
-    const int ws_points = (pr->flags & MSDA_POINTS_F32) && pr->grad_value && !det;
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
      * value rows; decoders (a few hundred scattered queries) measured slower there */
     const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
     plan->blocks = item_blocks(items, 256 / G);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    if (G >= 4 && aggregates && !(det && (pr->flags & MSDA_SOFTMAX))) {
-        /* (deterministic softmax excluded: the logit gradient's per-item sum is a float atomic
-         * in the aggregated kernel) */
+    if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
         plan->blocks = item_blocks(items, 512 / G); /* two items a group of G threads */
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!det && !opt && !ws_points && plan->slices > 1 && pr->dtype != MSDA_F16) {
+    } else if (!det && !opt && plan->slices > 1 && pr->dtype != MSDA_F16) {
         /* sliced points scattered after the zeroing: H100 ddetr_dec f32 / bf16 backward 0.0422
          * / 0.0291 ms against 0.0435 / 0.0297 for the per-point kernel with sliced points; f16
          * lost (0.0290 against 0.0287) and takes that kernel */
@@ -94,7 +88,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
         plan->blocks = item_blocks(items, 256 / (2 * G));
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!det && !opt && !ws_points && !aggregates && pr->dtype == MSDA_BF16) {
+    } else if (!det && !opt && !aggregates && pr->dtype == MSDA_BF16) {
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
     } else {
         plan->kernel = MSDA_ROUTE_POINT;

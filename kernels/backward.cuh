@@ -102,17 +102,6 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan 
     case MSDA_ROUTE_POINT: {
         const cudaError_t e = memset_grad_value(pr, bytes, stream);
         if (e != cudaSuccess) return e;
-        if constexpr (!DET && IsHalf<T>::value) {
-            if (pr->flags & MSDA_POINTS_F32) { /* the f32 workspace (WS) */
-                if (opt)
-                    msda_backward_fast<T, G, false, true, false, 4, false, true>
-                        <<<grid, 256, 0, stream>>>(*pr);
-                else
-                    msda_backward_fast<T, G, false, false, false, 4, false, true>
-                        <<<grid, 256, 0, stream>>>(*pr);
-                return cudaSuccess;
-            }
-        }
         if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
         else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
         return cudaSuccess;
@@ -140,12 +129,6 @@ static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_pl
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
     const unsigned int blocks = warp_blocks(pr->B * pr->Q * pr->H);
-    if constexpr (!DET && IsHalf<T>::value) {
-        if (pr->flags & MSDA_POINTS_F32) { /* the f32 workspace (WS) */
-            msda_backward_kernel<T, false, true><<<blocks, 256, 0, stream>>>(*pr);
-            return cudaSuccess;
-        }
-    }
     msda_backward_kernel<T, DET><<<blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }

@@ -207,8 +207,6 @@ template <typename T, int G> struct DetRowSums {
  *   4. point gradients from the four dots of each point: with d_k = g . v_k,
  *      dL/dA = sum_k w_k d_k, dL/dfx = (1-fy)(d1-d0) + fy(d3-d2),
  *      dL/dfy = (1-fx)(d2-d0) + fx(d3-d1).
- * Softmax: the per-item sum of A * dL/dA is gathered in shared memory (float atomics, so its
- * order varies: MSDA_DETERMINISTIC with softmax takes msda_backward_fast).
  * DET (MSDA_DETERMINISTIC): each contribution is rounded to the 64-bit fixed point on its own
  * (as in msda_backward_fast, so grad_value has the same bits), the walk sums them as integers
  * and adds each row's sums with one integer atomic per channel; lanes own channels
@@ -230,8 +228,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         int2 meta[St::NS];                /* {A * w_k, link}, per slot (walk_entry) */
         alignas(16) float dot[St::NS];     /* g . corner row, per slot (read as float4s) */
         int2 item[St::IPB];               /* {row, head offset} per item */
-        float2 soft[OPT ? St::IPB : 1];
-        float smdot[OPT ? St::IPB : 1];   /* softmax: sum of A * dL/dA per item */
         int key[St::HS];
         int head[St::HS];
         int cnt2[St::HS / 2]; /* slots filed per row, two 16-bit counts a word */
@@ -247,8 +243,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     int2(&s_meta)[St::NS] = sm.meta;
     float(&s_dot)[St::NS] = sm.dot;
     int2(&s_item)[St::IPB] = sm.item;
-    float2(&s_soft)[OPT ? St::IPB : 1] = sm.soft;
-    float(&s_smdot)[OPT ? St::IPB : 1] = sm.smdot;
     int(&s_key)[St::HS] = sm.key;
     int(&s_head)[St::HS] = sm.head;
     int(&s_cnt2)[St::HS / 2] = sm.cnt2;
@@ -263,7 +257,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     const bool point_grads = FULL || grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
-    const bool softmax = OPT && (pr.flags & MSDA_SOFTMAX);
     long long *det_acc = nullptr; /* DET: the fixed-point grad_value (see common.cuh) */
     float scale = 0.f;
     if (DET && pr.grad_value) {
@@ -275,7 +268,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     for (int j = threadIdx.x; j < St::HS / 2; j += 256) s_cnt2[j] = 0;
     if (threadIdx.x == 0) s_nent = 0;
     if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
-    if (OPT && threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
     __syncthreads();
     /* blocks take the tiles last first: an encoder's items end with the queries of its
      * coarse levels, whose points spread over the finer levels and aggregate least (the
@@ -296,14 +288,12 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                 for (int j = 0; j < V; j++) go[j] = 0.f;
             }
             s_go[il * G + g] = make_float4(go[0], go[1], go[2], go[3]);
-            group_softmax_stats<T, G, OPT, P>(pr, item, row, n_items, s_soft, il);
         }
-        if (softmax) __syncthreads();
         const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
         for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
             const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
-            stage_chunk<T, false, OPT, St, P>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
-                                           s_offs, s_geo);
+            stage_chunk<T, false, OPT, St, P>(pr, s_lvl, s_item, base, n_items, p0, kn, s_offs,
+                                              s_geo);
             __syncthreads();
             /* file every inside corner under its row; new rows numbered warp by warp */
             for (int j = threadIdx.x; j < St::NS; j += 256) { /* same trip count in every lane */
@@ -403,9 +393,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                * with the full mask */
                 constexpr int WG = G / 2, WPB = 256 / WG;
                 const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
-                /* half sums straight into grad_value unless the points are f32 (common.cuh) */
-                constexpr bool NATIVE =
-                    NativeHalf<T, false>::value && !std::is_same<P, float>::value;
+                /* half sums straight into grad_value where the code has half atomics */
+                constexpr bool NATIVE = NativeHalf<T, false>::value;
                 typename std::conditional<DET, DetRowSums<T, G>, RowSums<T, G, NATIVE>>::type
                     sums(walker, part, det_acc, scale);
                 /* FULL: compile-time true (so the walk tests no pointer) */
@@ -463,7 +452,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
                     const bool hit = o4.x >= 0 || o4.y >= 0 || o4.z >= 0 || o4.w >= 0;
                     const int pidx = p0 + k;
                     const int64_t i = (int64_t)s_item[il].x * LP + pidx;
-                    if (softmax && grad_attn) atomicAdd(&s_smdot[il], a * s_a);
                     if (grad_attn) grad_attn.set(i, s_a);
                     if (grad_loc && (!hit || nearest)) {
                         grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
@@ -479,23 +467,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
             }
             if (threadIdx.x == 0) s_nent = 0;
             __syncthreads();
-        }
-        if (softmax && grad_attn) { /* dL/dz = A * (dL/dA - dot), see msda_backward_fast */
-            for (int m = 0; m < St::MUL; m++) {
-                const int il = local + m * St::GPB;
-                if (base + il >= n_items) continue;
-                const float2 soft = s_soft[il];
-                const float dot = s_smdot[il];
-                const int64_t row = s_item[il].x;
-                const PointTensor<T, P> z(pr.attention_weights, pr);
-                for (int pidx = g; pidx < LP; pidx += G) {
-                    const int64_t i = row * LP + pidx;
-                    const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
-                    grad_attn.set(i, a * (to_acc(grad_attn[i]) - dot));
-                }
-            }
-            __syncthreads();
-            if (threadIdx.x < St::IPB) s_smdot[threadIdx.x] = 0.f;
         }
     }
 }

@@ -21,18 +21,16 @@ __global__ void __launch_bounds__(256) det_scan_kernel(msda_problem pr) {
     const PointTensor<T> attn(pr.attention_weights, pr);
     DetHeader *hd = (DetHeader *)pr.workspace;
     const int64_t n_g = pr.B * pr.Q * pr.H * pr.C, n_a = pr.B * pr.Q * pr.H * pr.NP;
-    const bool softmax = pr.flags & MSDA_SOFTMAX; /* probabilities are <= 1 */
-    double mg = 0.0, ma = softmax ? 1.0 : 0.0;
+    double mg = 0.0, ma = 0.0;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n_g; j += stride) {
         const double v = fabs((double)to_acc(gout[j]));
         mg = (v > mg || v != v) ? v : mg;
     }
-    if (!softmax)
-        for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n_a; j += stride) {
-            const double v = fabs((double)to_acc(attn[j]));
-            ma = (v > ma || v != v) ? v : ma;
-        }
+    for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < n_a; j += stride) {
+        const double v = fabs((double)to_acc(attn[j]));
+        ma = (v > ma || v != v) ? v : ma;
+    }
     unsigned long long bg = (unsigned long long)__double_as_longlong(mg);
     unsigned long long ba = (unsigned long long)__double_as_longlong(ma);
 #pragma unroll

@@ -1,9 +1,9 @@
 /* kernels/backward_common.cuh: how the backward kernels add into grad_value.
  * f32 sums: 16-byte (8-byte for 2 channels) vector atomics on sm_90 and newer, scalar ones
  * before. Half types: on sm_90 and newer red.global.add.noftz.v4/v2 of packed f16x2 / bf16x2
- * pairs straight into the half-precision grad_value (each f32 sum rounded once as it is added);
- * older code, and calls with float32 points, add into an f32 workspace that a last kernel
- * converts (c/routes.c, MSDA_ROUTE_F32_WORKSPACE). Also the programmatic-dependent-launch wait and the launch bound
+ * pairs straight into the half-precision grad_value (each f32 sum rounded once as it is added),
+ * whatever the points' dtype; older code adds into an f32 workspace that a last kernel converts
+ * (c/routes.c, MSDA_ROUTE_F32_WORKSPACE). Also the programmatic-dependent-launch wait and the launch bound
  * of the per-point and aggregated kernels. */
 #pragma once
 
@@ -26,11 +26,6 @@
 template <typename T, bool DET> struct NativeHalf {
     static constexpr bool value = MSDA_NATIVE_HALF && !DET && IsHalf<T>::value;
 };
-/* Calls with float32 points (MSDA_POINTS_F32) sum a half grad_value in the f32 workspace on
- * every code (c/routes.c: msda_backward_f32_workspace): their kernels are built apart, with
- * NativeHalf turned off (the per-point and generic kernels' WS, the aggregated kernel's P =
- * float), so the all-half kernels keep their code. */
-
 __device__ __forceinline__ unsigned pack2(const __nv_bfloat16 *, float a, float b) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const unsigned *>(&h);

@@ -4,18 +4,18 @@
  * lane j owns channels j, j+32, ...; 64-bit offsets throughout. Each corner's A * w_k * g goes
  * to grad_value by atomics (fixed point with MSDA_DETERMINISTIC; one 2-byte atomic a channel in
  * half types on sm_90); the point gradients are warp-shuffle sums written by lane 0. Options:
- * per-level points, nearest, softmax (the logit gradient rewritten at the item's end). */
+ * per-level points, nearest. */
 #pragma once
 
 #include "backward_common.cuh"
 
 /* DET: grad_value goes to the workspace's 64-bit fixed-point accumulator (see common.cuh).
- * Half types: grad_value is T with NativeHalf unless WS (one 2-byte atomic a channel and corner),
- * else the f32 buffer the host put in its place (WS: float32 points, c/routes.c). */
-template <typename T, bool DET, bool WS = false>
+ * Half types: grad_value is T with NativeHalf (one 2-byte atomic a channel and corner), else the
+ * f32 buffer the host put in its place (code older than sm_90, c/routes.c). */
+template <typename T, bool DET>
 __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
-    constexpr bool NATIVE = NativeHalf<T, DET>::value && !WS;
+    constexpr bool NATIVE = NativeHalf<T, DET>::value;
     const T *value = (const T *)pr.value;
     const PointTensor<T> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
     const T *gout = (const T *)pr.grad_output;
@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
     const PointTensor<T> grad_loc(pr.grad_sampling_locations, pr);
     const PointTensor<T> grad_attn(pr.grad_attention_weights, pr);
     const bool point_grads = grad_loc || grad_attn;
-    const bool nearest = pr.flags & MSDA_NEAREST, softmax = pr.flags & MSDA_SOFTMAX;
+    const bool nearest = pr.flags & MSDA_NEAREST;
     const int64_t H = pr.H, C = pr.C, L = pr.L, Q = pr.Q, NP = pr.NP;
     long long *det_acc = nullptr;
     double scale = 0.0;
@@ -37,8 +37,6 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
     for (int64_t qh = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; qh < n_items;
          qh += stride) {
         const int64_t b = qh / (Q * H), h = qh % H;
-        Acc mx = 0, inv = 1, dot = 0; /* dot: sum over points of A * dL/dA (softmax) */
-        if (softmax) softmax_stats<Acc>(attn + qh * NP, NP, lane, mx, inv);
         for (int64_t l = 0; l < L; l++) {
             const GenericLevel lv = generic_level(pr, l);
             const int64_t H_l = lv.H, W_l = lv.W, start = lv.start;
@@ -47,7 +45,7 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
                 Point<Acc> pt;
                 const bool hit = generic_point<Acc>(pr, loc, i, H_l, W_l, start, b, h, pt);
                 Acc g_attn = 0, g_fx = 0, g_fy = 0;
-                const Acc a = attention<Acc>(pr, to_acc(attn[i]), mx, inv);
+                const Acc a = to_acc(attn[i]);
                 if (hit) {
                     for (int64_t c = lane; c < C; c += 32) {
                         const Acc g = to_acc(gout[qh * C + c]);
@@ -74,9 +72,7 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
                 g_attn = warp_sum(g_attn);
                 g_fx = warp_sum(g_fx);
                 g_fy = warp_sum(g_fy);
-                dot += a * g_attn;
                 if (lane == 0) {
-                    /* with softmax, dL/dA for now; turned into dL/dlogit below */
                     if (grad_attn) grad_attn.set(i, g_attn);
                     if (grad_loc) { /* a point outside keeps zero gradients whatever its A */
                         const bool moves = hit && !nearest; /* nearest: piecewise constant */
@@ -85,15 +81,6 @@ __global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
                     }
                 }
             }
-        }
-        if (softmax && grad_attn) { /* dL/dz_j = A_j * (dL/dA_j - sum_k A_k dL/dA_k) */
-            __syncwarp();
-            for (int64_t j = lane; j < NP; j += 32) {
-                const int64_t i = qh * NP + j;
-                const Acc a = attention<Acc>(pr, to_acc(attn[i]), mx, inv);
-                grad_attn.set(i, a * (to_acc(grad_attn[i]) - dot));
-            }
-            __syncwarp();
         }
     }
 }

@@ -115,10 +115,8 @@ template <> struct Carried<__nv_bfloat16, 4> {
 
 /* SPLIT (plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
  * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
- * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is.
- * WS: a half grad_value summed in the f32 workspace on every code (float32 points). */
-template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4, bool PIPE = false,
-          bool WS = false>
+ * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
+template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4, bool PIPE = false>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr int V = VV;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
@@ -128,12 +126,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_geo[St::IPB * St::STRIDE];  /* {A, fx, fy, 0} */
     __shared__ float4 s_sums[St::IPB * St::STRIDE]; /* {d/dA, d/dfx, d/dfy, 0} before scaling */
-    __shared__ float2 s_soft[OPT ? St::IPB : 1];    /* softmax {max, 1 / sum} per item */
     __shared__ int2 s_item[St::IPB];                /* {row, head offset} per item */
     const int g = threadIdx.x % G, local = threadIdx.x / G;
     const T *value = (const T *)pr.value + g * V;
     const T *gout = (const T *)pr.grad_output;
-    constexpr bool NATIVE = NativeHalf<T, DET>::value && !WS;
+    constexpr bool NATIVE = NativeHalf<T, DET>::value;
     float *grad_value = pr.grad_value ? (float *)pr.grad_value + g * V : nullptr;
     T *grad_value_t = (T *)pr.grad_value + g * V; /* NATIVE */
     long long *det_acc = nullptr;
@@ -147,7 +144,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
     const bool point_grads = grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
-    const bool softmax = OPT && (pr.flags & MSDA_SOFTMAX);
     load_levels(pr, s_lvl);
     __syncthreads();
     /* unsigned: with more than 2^30 items, base + gridDim.x * IPB passes 2^31 - 1 (int would
@@ -179,15 +175,12 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 scatter_corner<T, NATIVE, V>(grad_value, grad_value_t, off, coef, go);
             }
         };
-        group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
-        if (softmax) __syncthreads();
-        float dot = 0.f; /* softmax: sum over the item's points of A * dL/dA, in point order */
-        /* blockIdx.y: which of gridDim.y slices of the points (never split with softmax) */
+        /* blockIdx.y: which of gridDim.y slices of the points */
         const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
         for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
             const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
-            stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft,
-                                           s_offs, s_geo);
+            stage_chunk<T, false, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_offs,
+                                           s_geo);
             __syncthreads();
             /* One point loop for every form. Plain: a corner's gather, then its scatter.
              * PIPE: point k + 1's gathers issued before point k's atomics and sums (one
@@ -219,7 +212,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 }
                 if (point_grads) {
                     const float3 sums = point_sums<G, V>(go, pt.w, pt.fx, pt.fy, v);
-                    if (softmax) dot += pt.a * sums.x;
                     /* .w marks a point with a corner inside: only those scale by A (a
                      * non-finite A of a point outside must leave its zero gradients zero, as
                      * on the CPU). */
@@ -261,15 +253,6 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
                 }
             }
             __syncthreads();
-        }
-        if (softmax && grad_attn && item < n_items) { /* dL/dz = A * (dL/dA - dot), see above */
-            const float2 soft = s_soft[local];
-            const PointTensor<T> z(pr.attention_weights, pr);
-            for (int pidx = g; pidx < LP; pidx += G) {
-                const int64_t i = (int64_t)row * LP + pidx;
-                const float a = expf(to_acc(z[i]) - soft.x) * soft.y;
-                grad_attn.set(i, a * (to_acc(grad_attn[i]) - dot));
-            }
         }
     }
 }

@@ -9,7 +9,7 @@
 // deterministic grad_value (MSDA_DETERMINISTIC): 64-bit fixed point
 //
 // workspace = DetHeader, padded to 256 bytes, then one int64 per grad_value element. A scan
-// kernel finds max|grad_output| and max|A| (1 with softmax); with N = Q * NP samples at most
+// kernel finds max|grad_output| and max|A|; with N = Q * NP samples at most
 // touching one pixel (each once, with a bilinear weight <= 1), every pixel's sum is bounded by
 // bound = N * max|A| * max|g|, so contributions scaled by 2^(62 - e), bound < 2^e, and rounded
 // to integers never overflow an int64. Integer addition is associative: the atomics' order no

@@ -28,8 +28,6 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     for (int64_t qh = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; qh < n_items;
          qh += stride) {
         const int64_t b = qh / (Q * H), h = qh % H;
-        Acc mx = 0, inv = 1;
-        if (pr.flags & MSDA_SOFTMAX) softmax_stats<Acc>(attn + qh * NP, NP, lane, mx, inv);
         for (int64_t c0 = 0; c0 < C; c0 += 32) {
             const int64_t c = c0 + lane;
             Acc acc = 0;
@@ -40,7 +38,7 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
                     const int64_t i = qh * NP + p;
                     Point<Acc> pt;
                     if (!generic_point<Acc>(pr, loc, i, H_l, W_l, start, b, h, pt)) continue;
-                    const Acc a = attention<Acc>(pr, to_acc(attn[i]), mx, inv);
+                    const Acc a = to_acc(attn[i]);
                     if (c < C) {
 #pragma unroll
                         for (int k = 0; k < 4; k++)
@@ -76,8 +74,7 @@ __global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_prob
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_w[St::IPB * St::STRIDE];
-    __shared__ float2 s_soft[OPT ? St::IPB : 1]; /* softmax {max, 1 / sum} per item */
-    __shared__ int2 s_item[St::IPB];             /* {row, head offset} per item */
+    __shared__ int2 s_item[St::IPB]; /* {row, head offset} per item */
     const T *value = (const T *)pr.value + threadIdx.x % G * V;
     /* value held in a register pair, opaque to the compiler: a corner's address is then one
      * IMAD.WIDE.U32 (value + o) instead of the lane offset folded into the index, a 64-bit
@@ -99,12 +96,9 @@ __global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_prob
         fill_items<T, true, 0>(pr, s_lvl, base, n_items, St::IPB, s_item);
         __syncthreads();
         const int row = s_item[local].x;
-        group_softmax_stats<T, G, OPT>(pr, item, row, n_items, s_soft);
-        if (OPT && (pr.flags & MSDA_SOFTMAX)) __syncthreads();
         for (int p0 = 0; p0 < LP; p0 += St::K) {
             const int kn = LP - p0 < St::K ? LP - p0 : St::K;
-            stage_chunk<T, true, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_soft, s_offs,
-                                          s_w);
+            stage_chunk<T, true, OPT, St>(pr, s_lvl, s_item, base, n_items, p0, kn, s_offs, s_w);
             __syncthreads();
 #pragma unroll kFwdUnroll
             for (int k = 0; k < kn; k++) {

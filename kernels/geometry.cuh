@@ -5,7 +5,7 @@
  * fraction, with loc*W split into its rounded product and the exact rounding error (fma), so the
  * fraction is accurate to an ulp of itself, not of x. A corner outside the level, or whose flat
  * index falls outside [0, S), is skipped: lying shape tables give wrong numbers at worst, never
- * an out-of-bounds access. Also nearest-pixel sampling, an item's softmax statistics, and the
+ * an out-of-bounds access. Also nearest-pixel sampling and the
  * fast kernels' level table in shared memory. */
 #pragma once
 
@@ -157,28 +157,6 @@ __device__ __forceinline__ GenericLevel generic_level(const msda_problem &pr, in
             level_point_begin(pr, l + 1)};
 }
 
-/* MSDA_SOFTMAX, generic kernels: the whole warp computes the maximum and 1 / sum(exp(z - max))
- * of the n logits z of one item (lane-strided, then shuffles: every lane gets the same result
- * in the same order). */
-template <typename Acc, typename T>
-__device__ __forceinline__ void softmax_stats(const PointTensor<T> &z, int64_t n, int lane, Acc &mx,
-                                              Acc &inv) {
-    Acc m = -INFINITY;
-    for (int64_t j = lane; j < n; j += 32) m = fmax(m, to_acc(z[j]));
-    m = warp_max(m);
-    Acc s = 0;
-    for (int64_t j = lane; j < n; j += 32) s += exp(to_acc(z[j]) - m);
-    s = warp_sum(s);
-    mx = m;
-    inv = (Acc)1 / s;
-}
-
-/* The attention weight of a point: the given weight, or its softmax probability. */
-template <typename Acc>
-__device__ __forceinline__ Acc attention(const msda_problem &pr, Acc z, Acc mx, Acc inv) {
-    return (pr.flags & MSDA_SOFTMAX) ? exp(z - mx) * inv : z;
-}
-
 // ---------------------------------------------------------------------------------------------
 // the fast kernels' 32-bit form (sides up to 2^24, a level table in shared memory)
 
@@ -206,7 +184,7 @@ __device__ __forceinline__ bool locate32(float loc_x, float loc_y, int4 lvl, int
 }
 
 /* Level of point `pidx` of an item. OPT (in every fast-path helper): the problem may use
- * options (per-level point counts, MSDA_NEAREST, MSDA_SOFTMAX); without it their code is
+ * options (per-level point counts, MSDA_NEAREST); without it their code is
  * compiled out, which keeps the plain kernels' registers as they were. */
 template <bool OPT> __device__ __forceinline__ int level_of(const msda_problem &pr, int pidx) {
     if (!OPT || pr.uniform_points) return pidx / (int)pr.P;

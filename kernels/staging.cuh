@@ -139,31 +139,6 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
     }
 }
 
-/* MSDA_SOFTMAX, fast kernels: each group of G lanes computes {max, 1 / sum(exp(z - max))} of
- * its item's logits into s_soft[local] (lane-strided, then group shuffles: a fixed order);
- * items past the end get {0, 1}. The caller synchronises. */
-template <typename T, int G, bool OPT, typename P = void>
-__device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int item, int row,
-                                                    int n_items, float2 *s_soft,
-                                                    int local = threadIdx.x / G) {
-    const int g = threadIdx.x % G;
-    if (!OPT) return; /* s_soft is not read (nor sized for the items) */
-    if (!(pr.flags & MSDA_SOFTMAX)) { /* uniform over the grid: no shuffle is skipped */
-        if (g == 0) s_soft[local] = make_float2(0.f, 1.f);
-        return;
-    }
-    const int NP = item < n_items ? (int)pr.NP : 0; /* every lane still joins the shuffles */
-    const PointTensor<T, P> z = PointTensor<T, P>(pr.attention_weights, pr) + (int64_t)row * (int)pr.NP;
-    float m = -INFINITY, sum = 0.f;
-    for (int j = g; j < NP; j += G) m = fmaxf(m, to_acc(z[j]));
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    for (int j = g; j < NP; j += G) sum += expf(to_acc(z[j]) - m);
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (g == 0) s_soft[local] = NP ? make_float2(m, 1.f / sum) : make_float2(0.f, 1.f);
-}
-
 /* Geometry of sampling point `pidx` (0 <= pidx < L*P) of item (b, q, h) = `item`:
  *   offs: element offset in value of each corner's channel 0 for this head, or -1 if outside;
  *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
@@ -171,13 +146,12 @@ __device__ __forceinline__ void group_softmax_stats(const msda_problem &pr, int 
  * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
 template <typename T, bool WEIGHTS, bool OPT, typename P = void>
 __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int2 it,
-                                            int pidx, float2 soft, int4 &offs, float4 &geo) {
+                                            int pidx, int4 &offs, float4 &geo) {
     const PointTensor<T, P> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
     const int64_t i = (int64_t)it.x * (int)pr.NP + pidx;
     const int4 lvl = s_lvl[level_of<OPT>(pr, pidx)];
     const int flags = OPT ? pr.flags : 0;
-    float a = to_acc(attn[i]);
-    if (flags & MSDA_SOFTMAX) a = expf(a - soft.x) * soft.y;
+    const float a = to_acc(attn[i]);
     offs = make_int4(-1, -1, -1, -1);
     geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
     const int HC = (int)(pr.H * pr.C), S = (int)pr.S;
@@ -225,19 +199,13 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
 template <typename T, bool WEIGHTS, bool OPT, typename St, typename P = void>
 __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *s_lvl,
                                             const int2 *s_item, int base, int n_items, int p0,
-                                            int kn, const float2 *s_soft, int4 *s_offs,
-                                            float4 *s_geo) {
+                                            int kn, int4 *s_offs, float4 *s_geo) {
     for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
         const int il = j / St::K, k = j % St::K;
         int4 offs = make_int4(-1, -1, -1, -1);
         float4 geo = make_float4(0.f, 0.f, 0.f, 0.f);
-        /* s_soft is read only with softmax, the one case in which the caller synchronises
-         * after group_softmax_stats (its value is unused otherwise, and reading it then would
-         * race with the write of another group) */
-        const bool soft = OPT && (pr.flags & MSDA_SOFTMAX);
         if (base + il < n_items && k < kn)
-            stage_point<T, WEIGHTS, OPT, P>(pr, s_lvl, s_item[il], p0 + k,
-                                         soft ? s_soft[il] : make_float2(0.f, 1.f), offs, geo);
+            stage_point<T, WEIGHTS, OPT, P>(pr, s_lvl, s_item[il], p0 + k, offs, geo);
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
     }

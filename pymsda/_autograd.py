@@ -192,8 +192,7 @@ def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     out = ms_deform_attn_pytorch(
         value if value.dtype is loc.dtype else value.to(loc.dtype), spatial_shapes, loc, attn,
         num_points_list=num_points_list,
-        sampling="nearest" if flags & _lib.FLAG_NEAREST else "bilinear",
-        softmax=bool(flags & _lib.FLAG_SOFTMAX))
+        sampling="nearest" if flags & _lib.FLAG_NEAREST else "bilinear")
     return out if out.dtype is value.dtype else out.to(value.dtype)
 
 

@@ -361,13 +361,11 @@ _deterministic_algorithms = torch.are_deterministic_algorithms_enabled
 _Tensor = torch.Tensor
 
 
-def _flags(sampling, softmax, deterministic):
+def _flags(sampling, deterministic):
     try:
         flags = _SAMPLING_FLAGS[sampling]
     except (KeyError, TypeError):
         raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}") from None
-    if softmax:
-        flags |= _lib.FLAG_SOFTMAX
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:

@@ -8,7 +8,7 @@ import ctypes
 import os
 import struct
 
-ABI_VERSION = 8  # must equal MSDA_ABI_VERSION in c/msda.h
+ABI_VERSION = 9  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
 
 # msda_status (c/msda.h)
@@ -22,7 +22,7 @@ ERR_INTERNAL = 4
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16 = 0, 1, 2, 3
 INDEX_I64, INDEX_I32 = 0, 1
 # msda_flags (c/msda.h)
-FLAG_NEAREST, FLAG_SOFTMAX, FLAG_DETERMINISTIC, FLAG_POINTS_F32 = 1, 2, 4, 8
+FLAG_NEAREST, FLAG_DETERMINISTIC, FLAG_POINTS_F32 = 1, 4, 8  # (2, the fused softmax, is gone)
 # msda_route (c/msda.h): kernel values, then the modifier bits
 ROUTE_KERNELS = {0: "none", 1: "generic", 2: "point", 3: "point_sliced", 4: "point_pipelined",
                  5: "aggregated"}

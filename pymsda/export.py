@@ -63,10 +63,9 @@ def onnx_options(tensorrt=False, plugin_version="1", method="gather"):
     `with` block (this thread):
 
         tensorrt: emit one MultiscaleDeformableAttnPlugin_TRT node (TensorRT's own plugin)
-            for each call the plugin can express (softmax=True adds a Softmax before it;
-            num_points_list with the same count on every level is reshaped to it); calls with
-            sampling="nearest" or unequal per-level point counts warn and get the
-            decomposition.
+            for each call the plugin can express (num_points_list with the same count on
+            every level is reshaped to it); calls with sampling="nearest" or unequal per-level
+            point counts warn and get the decomposition.
         plugin_version: "1" (every TensorRT with the plugin) or "2" (TensorRT 10.11 and later).
         method: the decomposition's form, "gather" (default: opset 11 and later, the faster in
             ONNX Runtime) or "grid_sample" (GridSample, opset 16 and later; needs
@@ -205,7 +204,7 @@ def _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
         counts = list(_point_counts(num_points_list, len(spatial_shapes)))
     return decompose(value, spatial_shapes, level_start_index, sampling_locations,
                      attention_weights, counts, nearest=bool(flags & _lib.FLAG_NEAREST),
-                     softmax=bool(flags & _lib.FLAG_SOFTMAX), method=method)
+                     method=method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +241,7 @@ def _tensorrt_node(value, spatial_shapes, level_start_index, sampling_locations,
     """One plugin node: float32 unless value and both point tensors are float16 (the plugin
     takes one float type for all three; a half value with float32 points, or a bfloat16 or
     float64 value, runs in float32, as pymsda's kernels compute it), output cast to value's
-    dtype. softmax=True becomes a Softmax over each query's points before the node."""
+    dtype."""
     B, Q, H, C = value.shape[0], sampling_locations.shape[1], value.shape[2], value.shape[3]
     shapes, starts = _plugin_tables(spatial_shapes, level_start_index, value.device)
     L = shapes.shape[0]
@@ -256,8 +255,6 @@ def _tensorrt_node(value, spatial_shapes, level_start_index, sampling_locations,
         dtype = torch.float16
     else:
         dtype = torch.float32
-    if flags & _lib.FLAG_SOFTMAX:
-        attn = torch.softmax(_as(attn, dtype).flatten(3, 4), -1).reshape(attn.shape)
     out = _plugin(_as(value, dtype), shapes, starts, _as(loc, dtype), _as(attn, dtype),
                   _options.plugin_version, dynamo)
     return _as(out, value.dtype)

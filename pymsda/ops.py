@@ -47,10 +47,10 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
             None, as with RT-DETRv2's integer cast (not a tensor of zeros, which an optimizer
             such as AdamW would still apply weight decay for).
         softmax: attention_weights are logits; the op applies the softmax over all points of
-            each (query, head) first: torch's softmax, then the plain op (measured faster than
-            the library's fused softmax in the backward, and no slower than the caller's own
-            composition; kernels/TUNING.md). It runs in the dtype the points are read in (the
-            dtype rule below), or in torch's choice (float32 under autocast).
+            each (query, head) first: torch's softmax, then the plain op (a fused softmax in
+            the kernels was slower in the backward; kernels/TUNING.md). It runs in the dtype
+            the points are read in (the dtype rule below), or in torch's choice (float32 under
+            autocast).
         deterministic: bitwise reproducible gradients (grad_value accumulated in 64-bit fixed
             point on CUDA, with a workspace of 8 bytes per value element; the CPU backward is
             deterministic anyway). None (default) follows
@@ -72,8 +72,7 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         grid = 2 * loc - 1. Mixed dtypes: see the dtype rule below. Differentiable with respect to value, sampling_locations and
         attention_weights. Half precision accumulates in float32; on CUDA (sm_90 and newer) the
         float32 sums of grad_value are added into the half-precision gradient with atomics,
-        each rounded once as it is added (deterministic=True, and float32 points, the dtype
-        rule below, round each element once).
+        each rounded once as it is added (deterministic=True rounds each element once).
         Empty batches or query sets (B = 0, Q = 0) give empty outputs and gradients; meta
         tensors give a meta output.
 
@@ -93,8 +92,10 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         coordinates and weights from the float32 numbers, so no location is rounded to half
         precision. That is what torch.autocast gives a Deformable-DETR-style model (value from
         an nn.Linear in half precision, float32 reference points + offsets and a float32
-        softmax), and it costs no cast; grad_value is then summed in float32 (on CUDA in a
-        workspace) and rounded once. A point dtype narrower than value's is widened to it
+        softmax), and it costs no cast. grad_value is summed as the all-half call sums it on
+        that GPU (half-precision atomics on sm_90 and newer), so autocast's call runs at the
+        all-half call's speed: no less precise than the same call in value's dtype, and the
+        points never rounded. A point dtype narrower than value's is widened to it
         (float16 points with a float32 value), a float64 value runs in float64 throughout.
         Gradients come back in each input's own dtype. The op is not itself on an autocast
         list.
@@ -116,14 +117,15 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         shape table, each naming the argument; ValueError or RuntimeError from the library
         (message from c/msda.h's msda_last_error) should a check in C refuse the call.
     """
-    if softmax and _COMPOSE_SOFTMAX and _composable(value, sampling_locations, attention_weights):
-        # the softmax composed with the plain op (see softmax above)
+    if softmax:  # torch's softmax, then the plain op (see softmax above)
+        if not _composable(value, sampling_locations, attention_weights):
+            _prepare(value, spatial_shapes, level_start_index, sampling_locations,
+                     attention_weights, validate, num_points_list)  # raises, naming the argument
         attention_weights = _softmax_points(value, sampling_locations, attention_weights)
-        softmax = False
-    if sampling == "bilinear" and not softmax and deterministic is None:  # (at once)
+    if sampling == "bilinear" and deterministic is None:  # (at once)
         flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
     else:
-        flags = _flags(sampling, softmax, deterministic)
+        flags = _flags(sampling, deterministic)
         if flags & _lib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
             # piecewise constant in the location: no gradient at all (None), on every path
             sampling_locations = sampling_locations.detach()
@@ -155,14 +157,9 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     return _run(value, loc, attn, (levels, sizes, lp, flags))
 
 
-# softmax=True through torch's softmax and the plain op; the tests of the library's fused
-# softmax kernels (c/msda.h: MSDA_SOFTMAX) turn it off (tests/conftest.py: fused_softmax)
-_COMPOSE_SOFTMAX = True
-
-
 def _composable(value, loc, attn):
-    """Whether softmax=True can be composed here: floating-point tensors (anything else is left
-    to the checks, which name it)."""
+    """Whether softmax=True can be composed here: floating-point tensors (anything else the
+    checks refuse, naming it)."""
     return (isinstance(attn, _Tensor) and isinstance(value, _Tensor) and isinstance(loc, _Tensor)
             and attn.is_floating_point() and attn.dim() in (4, 5))
 

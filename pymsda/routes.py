@@ -13,8 +13,8 @@ than 4 * 2^k up to 128, more than 2^31 value elements, misaligned tensors), 'poi
 per-point kernel), 'point_sliced' (few items: each item's points split over several blocks),
 'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders: corners merged
 per value row). Modifiers: deterministic (fixed-point sums in a workspace) and f32_workspace (a
-half-precision grad_value summed in float32: where the GPU code predates sm_90, and on every GPU
-for float32 points, autocast's call).
+half-precision grad_value summed in float32: where the GPU code predates sm_90). float32 points
+with a half value (autocast's call) take the all-half call's route.
 """
 import collections
 
@@ -36,8 +36,9 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
     (B, S, H, C), L levels, Q queries, P points per level, or per-level counts in
     num_points_list with P their sum), dtype (value's), options and wanted gradients (names from
     ALL_GRADS). points_dtype: that of sampling_locations and attention_weights (default:
-    value's; float32 with a half value is autocast's call, whose grad_value is summed in
-    float32). aligned: value, grad_output and grad_value 16-byte aligned (torch's
+    value's; float32 with a half value is autocast's call, which takes the all-half call's
+    route). softmax: accepted; the route is the plain call's (the op composes torch's softmax
+    with it). aligned: value, grad_output and grad_value 16-byte aligned (torch's
     allocations are). The GPU: give multiprocessors and sm90_code (whether the code it runs is
     built for sm_90 or newer) to ask without one, or a CUDA device (default: the current one)."""
     if dtype not in _DTYPE_CODE:
@@ -62,7 +63,8 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
         index = torch.device(device if device is not None else "cuda").index
         index = torch.cuda.current_device() if index is None else index
         multiprocessors, sm90_code = 0, -1
-    flags = _flags(sampling, softmax, deterministic)
+    flags = _flags(sampling, deterministic)  # softmax=True composes torch's softmax with the
+    # plain op: the same route as without it
     if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
                                                                            torch.bfloat16):
         flags |= _lib.FLAG_POINTS_F32  # (_plan._points: float32 points)

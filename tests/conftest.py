@@ -89,9 +89,3 @@ def generator(request):
     return torch.Generator().manual_seed(seed_of(request.node.nodeid))
 
 
-@pytest.fixture
-def fused_softmax(monkeypatch):
-    """softmax=True reaches the library's fused softmax (MSDA_SOFTMAX) instead of ops'
-    composition with torch's softmax, so the kernels' softmax code stays tested."""
-    import pymsda.ops
-    monkeypatch.setattr(pymsda.ops, "_COMPOSE_SOFTMAX", False)

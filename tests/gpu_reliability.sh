@@ -108,7 +108,7 @@ decoders = ((37, 5), (3, 5), (3, 1))
 cases = [(torch.float32, c, q, p, {}) for c in (4, 8, 16, 32, 64, 128) for q, p in decoders] + \
         [(d, c, q, p, {}) for d in (torch.float16, torch.bfloat16) for c in (4, 32, 128)
          for q, p in decoders] + \
-        [(torch.float32, 32, 37, 5, dict(softmax=True)),
+        [(torch.float32, 32, 37, 5, dict(sampling="nearest")),
          (torch.bfloat16, 32, 3, 1, dict(sampling="nearest")),
          (torch.float32, 5, 37, 5, {}), (torch.bfloat16, 256, 37, 5, {}),
          (torch.float64, 8, 37, 5, {}), (torch.float64, 3, 3, 1, {}),

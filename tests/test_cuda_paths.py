@@ -17,8 +17,7 @@ from factories import (GRAD_NAMES, flat_size, loose_bound, make_inputs, make_poi
                        oracle_forward_general, random_grad_output, random_level_shapes, rel_l2,
                        run_msda)
 
-# softmax=True reaches the kernels' fused softmax here (conftest.fused_softmax)
-pytestmark = [requires_cuda, pytest.mark.usefixtures("fused_softmax")]
+pytestmark = [requires_cuda]
 
 # (dtype, C) pairs reaching G = 1, 2, 4, 8, 16, 32 threads per item, and C = 256 (G = 64: generic).
 GROUPS = [(torch.float32, 4), (torch.float32, 8), (torch.float32, 16), (torch.float32, 32),
@@ -143,28 +142,26 @@ AGG_CASES = {"dense": ([(4, 5), (3, 3), (2, 2)], 300), "spread": ([(16, 20), (8,
              # 4 points a level: an item's 12 points sliced over 3 blocks (MSDA_ROUTE_POINT_SLICED)
              "sliced": ([(4, 5), (3, 3), (2, 2)], 5, 4),
              "tiled": (TILED_SHAPES, sum(h * w for h, w in TILED_SHAPES))}
-AGG_FEATURES = {"plain": (None, "bilinear", False), "counts": ([3, 0, 2], "bilinear", False),
-                "nearest": (None, "nearest", False), "softmax": (None, "bilinear", True),
-                "counts_nearest_softmax": ([1, 3, 2], "nearest", True)}
+AGG_FEATURES = {"plain": (None, "bilinear"), "counts": ([3, 0, 2], "bilinear"),
+                "nearest": (None, "nearest"), "counts_nearest": ([1, 3, 2], "nearest")}
 
 
 def agg_inputs(generator, case, feature, dtype, channels):
     """Inputs, op options and oracle options of an AGG_CASES case with an AGG_FEATURES feature."""
     shapes, queries, *per_level = AGG_CASES[case]
-    num_points_list, sampling, softmax = AGG_FEATURES[feature]
+    num_points_list, sampling = AGG_FEATURES[feature]
     counts = num_points_list or [per_level[0] if per_level else 2] * len(shapes)
     assert (queries * sum(counts) >= 2 * flat_size(shapes)) == (case not in ("decoder", "sliced"))
     inputs = make_point_inputs(generator, 2, queries, 3, channels, shapes, counts, dtype=dtype,
-                               device="cuda", logits=softmax)
+                               device="cuda")
     if num_points_list is None:  # the plain (B, Q, H, L, P, ...) layout
         B, Q, H, N = inputs["attention_weights"].shape
         inputs["sampling_locations"] = inputs["sampling_locations"].reshape(B, Q, H, len(shapes),
                                                                             N // len(shapes), 2)
         inputs["attention_weights"] = inputs["attention_weights"].reshape(B, Q, H, len(shapes),
                                                                           N // len(shapes))
-    options = dict(num_points_list=num_points_list, sampling=sampling, softmax=softmax)
-    oracle_opts = dict(num_points_list=num_points_list, nearest=sampling == "nearest",
-                       softmax=softmax)
+    options = dict(num_points_list=num_points_list, sampling=sampling)
+    oracle_opts = dict(num_points_list=num_points_list, nearest=sampling == "nearest")
     return inputs, options, oracle_opts
 
 
@@ -255,7 +252,6 @@ def test_grad_value_is_zeroed_whatever_its_memory_held(generator, monkeypatch, c
 def test_deterministic_aggregated_backward_repeats_bitwise_and_matches_oracle(
         generator, dtype, channels, feature, case):
     # deterministic=True on an encoder-like problem: the aggregated kernel with fixed-point sums
-    # (with softmax: the per-point kernel)
     inputs, options, oracle_opts = agg_inputs(generator, case, feature, dtype, channels)
     mine = agg_op(inputs, deterministic=True, **options)
     grad_output = random_grad_output(generator, mine(inputs["value"], inputs["spatial_shapes"],
@@ -432,33 +428,26 @@ WIDE = [(torch.bfloat16, 8), (torch.bfloat16, 32), (torch.float16, 32), (torch.f
 
 
 @pytest.mark.parametrize("dtype,channels", WIDE, ids=[f"{str(d)[6:]}-C{c}" for d, c in WIDE])
-@pytest.mark.parametrize("softmax", [False, True], ids=["plain", "softmax"])
-def test_wide_half_forward_of_large_problems_matches_f64_oracle(generator, dtype, channels,
-                                                                 softmax):
+def test_wide_half_forward_of_large_problems_matches_f64_oracle(generator, dtype, channels):
     # 1 * 8203 * 8 = 65624 items: above the threshold, and not a whole number of blocks
     inputs = make_inputs(generator, batch=1, queries=8203, heads=8, channels=channels,
                          shapes=[(6, 5), (3, 4)], points=3, dtype=dtype, device="cuda",
                          kink_free=True)
     out = pymsda.ms_deform_attn(inputs["value"], inputs["spatial_shapes"],
                                 inputs["level_start_index"], inputs["sampling_locations"],
-                                inputs["attention_weights"], softmax=softmax)
-    expected = oracle_forward_general(inputs, softmax=softmax)
+                                inputs["attention_weights"])
+    expected = oracle_forward_general(inputs)
     ref = ms_deform_attn_pytorch(inputs["value"], inputs["spatial_shapes"],
-                                 inputs["sampling_locations"], inputs["attention_weights"],
-                                 softmax=softmax)
+                                 inputs["sampling_locations"], inputs["attention_weights"])
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_l2(out, expected) <= loose_bound(rel_l2(ref, expected))
     # The f32 op on the same (rounded) inputs sums every channel in the same order, so only the
-    # output's rounding differs (with softmax, whose per-item sums are shuffled over groups of
-    # another size, the weights' last bits may too)
+    # output's rounding differs
     out32 = pymsda.ms_deform_attn(inputs["value"].float(), inputs["spatial_shapes"],
                                   inputs["level_start_index"],
                                   inputs["sampling_locations"].float(),
-                                  inputs["attention_weights"].float(), softmax=softmax)
-    if softmax:
-        assert rel_l2(out, out32) <= 1.5 * rel_l2(out32.to(dtype), out32)
-    else:
-        assert torch.equal(out, out32.to(dtype))
+                                  inputs["attention_weights"].float())
+    assert torch.equal(out, out32.to(dtype))
 
 
 # ---- half-precision grad_value through the f32 buffer (code for GPUs before sm_90) ---------------

@@ -1,7 +1,6 @@
 """tests/test_features.py: the options of pymsda.ms_deform_attn beyond the plain op (issue 5):
 num_points_list (per-level point counts, RT-DETRv2), sampling="nearest" (RT-DETRv2's
-"discrete") and softmax=True (logits in: composed with torch's softmax, and the library's fused
-softmax), alone and combined.
+"discrete") and softmax=True (logits in: composed with torch's softmax), alone and combined.
 
 Checked against the numpy f64 oracle (tests/oracle.py forward_general / backward_general, written
 from the math, no torch), with torch.autograd.gradcheck in f64, and for f16/bf16 against twice
@@ -27,14 +26,6 @@ from test_reliability import LYING  # the lying shape tables the plain path is t
 
 SHAPES = [(5, 7), (3, 4), (1, 3), (2, 2)]
 
-
-@pytest.fixture(autouse=True, params=["composed", "fused"])
-def softmax_path(request, monkeypatch):
-    """Every test twice: softmax=True composed with torch's softmax (what ops does), and through
-    the library's fused softmax (MSDA_SOFTMAX, conftest.fused_softmax)."""
-    if request.param == "fused":
-        request.getfixturevalue("fused_softmax")
-    return request.param
 
 # (num_points_list or None for the plain (L, P) layout with 2 points, sampling, softmax)
 FEATURES = {
@@ -246,11 +237,11 @@ def test_softmax_equals_softmaxed_weights(generator, device, dtype):
     inputs = make_inputs(generator, 2, 6, 3, 5, SHAPES, 2, dtype=dtype, device=device)
     logits = 3.0 * torch.randn(inputs["attention_weights"].shape, generator=generator,
                                dtype=torch.float64).to(device=device, dtype=dtype)
-    fused = pymsda.ms_deform_attn(**dict(inputs, attention_weights=logits), softmax=True)
+    composed = pymsda.ms_deform_attn(**dict(inputs, attention_weights=logits), softmax=True)
     weights = torch.softmax(logits.flatten(3), -1).view_as(logits)
     separate = pymsda.ms_deform_attn(**dict(inputs, attention_weights=weights))
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    torch.testing.assert_close(fused, separate, rtol=tol, atol=tol)
+    torch.testing.assert_close(composed, separate, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -435,9 +426,8 @@ def test_index_dtype_int32_and_list_shapes(generator, device):
 
 C_LEVEL_FLAGS = {
     "counts": ([1, 4], 0),
-    "counts_nearest_softmax": ([0, 5], _lib.FLAG_NEAREST | _lib.FLAG_SOFTMAX),
+    "counts_nearest": ([0, 5], _lib.FLAG_NEAREST),
     "nearest": (None, _lib.FLAG_NEAREST),
-    "softmax": (None, _lib.FLAG_SOFTMAX),
 }
 
 
@@ -472,8 +462,7 @@ def test_lying_shapes_stay_in_bounds_general_cpu_c_level(generator, index, table
         **args, grad_output=torch.ones_like(out).data_ptr(), grad_value=grads[0].data_ptr(),
         grad_sampling_locations=grads[1].data_ptr(),
         grad_attention_weights=grads[2].data_ptr())) == _lib.OK
-    total_weight = 1.0 if flags & _lib.FLAG_SOFTMAX else weights.flatten(3).sum(-1)
-    bound = total_weight * value.abs().max()
+    bound = weights.flatten(3).sum(-1) * value.abs().max()
     assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()
     for grad in grads:
         assert torch.isfinite(grad).all()

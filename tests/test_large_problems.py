@@ -31,8 +31,7 @@ import pymsda
 from conftest import requires_cuda
 from factories import seed_of
 
-# softmax=True reaches the kernels' fused softmax here (conftest.fused_softmax)
-pytestmark = [requires_cuda, pytest.mark.huge, pytest.mark.usefixtures("fused_softmax")]
+pytestmark = [requires_cuda, pytest.mark.huge]
 DEVICE = "cuda"
 
 H = 8
@@ -51,9 +50,8 @@ NAMES = {torch.float64: "f64", torch.float32: "f32", torch.float16: "f16",
          torch.bfloat16: "bf16"}
 
 
-def _case(kernel, dtype, det=False, softmax=False, side=UNDER, C=32, Q=256, P=4, inside=1.0):
-    return dict(kernel=kernel, dtype=dtype, det=det, softmax=softmax, side=side, C=C, Q=Q, P=P,
-                inside=inside)
+def _case(kernel, dtype, det=False, side=UNDER, C=32, Q=256, P=4, inside=1.0):
+    return dict(kernel=kernel, dtype=dtype, det=det, side=side, C=C, Q=Q, P=P, inside=inside)
 
 
 def _cases():
@@ -62,9 +60,12 @@ def _cases():
         for det in (False, True):
             cases[("generic", dtype, det)] = _case("generic", dtype, det, side=OVER)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        # plain f16 decoders take the per-point kernel; f32 and bf16 ones the pipelined form,
-        # so the per-point kernel is reached there through softmax (its option code)
-        cases[("point", dtype, False)] = _case("point", dtype, softmax=dtype != torch.float16)
+        # plain f16 decoders take the per-point kernel, f32 ones with 128 channels (the
+        # pipelined form has up to 64); plain bf16 decoders never do (pipelined)
+        if dtype == torch.float16:
+            cases[("point", dtype, False)] = _case("point", dtype)
+        elif dtype == torch.float32:
+            cases[("point", dtype, False)] = _case("point", dtype, side=AGG_SIDE, C=AGG_C)
         cases[("point", dtype, True)] = _case("point", dtype, det=True)
         if dtype == torch.float16:  # f16's sliced points take the per-point kernel
             cases[("point-sliced-points", dtype, False)] = _case("point", dtype, P=8)
@@ -141,7 +142,7 @@ def test_allocator_hands_out_the_poisoned_memory():
 
 
 def _inputs(case, generator):
-    """value, locations, weights (logits with softmax) and grad_output on the GPU in the
+    """value, locations, weights and grad_output on the GPU in the
     case's dtype. Points: within the last BAND rows (pixel y in [rows - BAND - 0.5, rows - 0.1),
     so some bottom corners fall outside), x across the whole width and a little past both
     edges; with inside < 1 the others sit at (1.5, 1.5), outside the map."""
@@ -158,10 +159,7 @@ def _inputs(case, generator):
         outside = torch.rand(shape, device=DEVICE, generator=generator) >= case["inside"]
         loc[outside] = 1.5
     loc = loc.to(dtype)
-    if case["softmax"]:
-        attn = (2 * torch.randn(shape, device=DEVICE, generator=generator)).to(dtype)
-    else:
-        attn = torch.rand(shape, device=DEVICE, generator=generator).to(dtype)
+    attn = torch.rand(shape, device=DEVICE, generator=generator).to(dtype)
     # grad_output / 16 (exact): location gradients, ~ A * side * <g, dv>, stay inside float16
     grad_output = (torch.randn(1, Q, H * C, device=DEVICE, generator=generator) / 16).to(dtype)
     return value, loc, attn, grad_output
@@ -171,7 +169,7 @@ class _Reference:
     """float64 forward and gradients of a list of N points, with each result's absolute mass
     (the sum of |term| over its terms) and, for grad_value, its term count: the error bound's
     inputs. value (1, S, Hh, C) on a map of side (rows, cols); per point: loc (N, 2) and the
-    attention weight a (N,) as the op uses them (after softmax), head (N,), item (N,) (a compact
+    attention weight a (N,), head (N,), item (N,) (a compact
     index of the point's (q, h), < n_items) and g (N, C) (its grad_output row). grad_value is
     kept for the rows from the first the points reach to the end of the map."""
 
@@ -285,12 +283,11 @@ def _deterministic_quantum(case, attn, grad_output):
     with bound = max|g| * max|A| * Q * L * P < 2^e."""
     if not case["det"]:
         return 0.0
-    bound = (float(grad_output.abs().max()) * (1.0 if case["softmax"] else float(attn.abs().max()))
-             * case["Q"] * case["P"])
+    bound = float(grad_output.abs().max()) * float(attn.abs().max()) * case["Q"] * case["P"]
     return 2.0 ** (math.frexp(bound)[1] - 62)
 
 
-def _check_results(case, dtype, side, value, loc, attn, grad_output, out, grads, quantum=0.0):
+def _check_results(dtype, side, value, loc, attn, grad_output, out, grads, quantum=0.0):
     """(a) and (b) of the module docstring for a problem of one level and one batch, points
     (1, Q, Hh, 1, P, 2); returns the reference's first band row."""
     rows, cols = side
@@ -298,11 +295,8 @@ def _check_results(case, dtype, side, value, loc, attn, grad_output, out, grads,
     C = value.shape[-1]
     grad_value, grad_loc, grad_attn = grads
     a = attn.double().view(Q, Hh, P)
-    if case["softmax"]:
-        a = torch.softmax(a, -1)
     locs = loc.double().view(-1, 2)
     picked = locs[:, 1] < 1.2  # the points parked at (1.5, 1.5) contribute nothing
-    assert case["softmax"] is False or bool(picked.all())
     idx = torch.nonzero(picked)[:, 0]
     item = idx // P  # (q, h) = q * Hh + h
     ref = _Reference(value, side, locs[idx], a.view(-1)[idx], item % Hh, item,
@@ -320,20 +314,12 @@ def _check_results(case, dtype, side, value, loc, attn, grad_output, out, grads,
     _assert_within("output", out.view(Q * Hh, C), ref.out,
                    _bound(ref.out_mass, ref.out_terms, dtype, ref.out, geometry=ref.out_geo))
     d_attn, attn_mass, attn_geo = ref.d_attn, ref.attn_mass, ref.attn_geo
-    if case["softmax"]:  # dL/dz_j = A_j * (dL/dA_j - sum_k A_k dL/dA_k): every point picked
-        a_pt = a.view(-1)
-        dot = (a_pt * d_attn).view(Q * Hh, P).sum(-1, keepdim=True)
-        d_attn = a_pt * (d_attn.view(Q * Hh, P) - dot).view(-1)
-        attn_mass = a_pt * (attn_mass.view(Q * Hh, P) + (a_pt * attn_mass).view(Q * Hh, P)
-                            .sum(-1, keepdim=True)).view(-1)
-        attn_geo = a_pt * (attn_geo.view(Q * Hh, P) + (a_pt * attn_geo).view(Q * Hh, P)
-                           .sum(-1, keepdim=True)).view(-1)
     got_attn, got_loc = grad_attn.reshape(-1), grad_loc.reshape(-1, 2)
     _assert_within("grad_attention_weights", got_attn[idx], d_attn,
                    _bound(attn_mass, 4 * C * P, dtype, d_attn, geometry=attn_geo))
     _assert_within("grad_sampling_locations", got_loc[idx], ref.grad_loc,
                    _bound(ref.loc_mass, 6 * C, dtype, ref.grad_loc))
-    if not bool(picked.all()):  # points outside the map: zero gradients (no softmax here)
+    if not bool(picked.all()):  # points outside the map: zero gradients
         _assert_zero("grad_attention_weights outside", got_attn[~picked])
         _assert_zero("grad_sampling_locations outside", got_loc[~picked])
     return ref.first
@@ -350,7 +336,7 @@ def test_forward_and_backward_at_the_32_bit_limits_match_f64_cuda(key):
                     f"{free / 2 ** 30:.0f} GiB free")
     rows, cols = case["side"]
     route = pymsda.routes.backward_route(1, rows * cols, H, C, 1, Q, P, dtype,
-                                         softmax=case["softmax"], deterministic=case["det"])
+                                         deterministic=case["det"])
     assert route.kernel == case["kernel"] and route.deterministic == case["det"], route
     assert route.f32_workspace == (_element_size(dtype) == 2 and not case["det"]
                                    and _half_in_f32()), route
@@ -359,12 +345,12 @@ def test_forward_and_backward_at_the_32_bit_limits_match_f64_cuda(key):
     leaves = [t.requires_grad_(True) for t in (value, loc, attn)]
     _sync()
     _poison(made + (1 << 30))  # what the op allocates now comes out of NaN-filled memory
-    out = pymsda.ms_deform_attn(value, [(rows, cols)], None, loc, attn, softmax=case["softmax"],
+    out = pymsda.ms_deform_attn(value, [(rows, cols)], None, loc, attn,
                                 deterministic=case["det"])
     grads = [g.detach() for g in torch.autograd.grad(out, leaves, grad_output)]
     _sync()
     value, loc, attn = (t.detach() for t in leaves)
-    first = _check_results(case, dtype, case["side"], value, loc, attn, grad_output,
+    first = _check_results(dtype, case["side"], value, loc, attn, grad_output,
                            out.detach(), grads, _deterministic_quantum(case, attn, grad_output))
     # the band is the map's last rows: the elements nearest (or past) 2^31
     assert rows - BAND - 8 <= first < rows - BAND  # (bfloat16 locations: 11-pixel steps)
@@ -388,7 +374,6 @@ def test_forward_and_backward_over_2_30_items_match_f64_cuda():
     rows, cols = MANY_SIDE
     route = pymsda.routes.backward_route(1, rows * cols, 1, 4, 1, MANY_Q, 1, dtype)
     assert route.kernel == "point", route
-    case = dict(softmax=False)
     gen = torch.Generator(device=DEVICE).manual_seed(30)
     value = torch.randn(1, rows * cols, 1, 4, device=DEVICE, dtype=dtype, generator=gen)
     loc = torch.rand(1, MANY_Q, 1, 1, 1, 2, device=DEVICE, generator=gen, dtype=dtype)
@@ -417,5 +402,5 @@ def test_forward_and_backward_over_2_30_items_match_f64_cuda():
            grad_output.view(1, -1, 4)[:, idx])
     sub_grads = [grads[0], grads[1].view(1, -1, 1, 1, 1, 2)[:, idx],
                  grads[2].view(1, -1, 1, 1, 1)[:, idx]]
-    _check_results(case, dtype, MANY_SIDE, value, sub[0], sub[1], sub[2],
+    _check_results(dtype, MANY_SIDE, value, sub[0], sub[1], sub[2],
                    out.view(1, -1, 4)[:, idx], sub_grads)

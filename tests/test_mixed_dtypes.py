@@ -8,10 +8,12 @@ value's is widened to it. Gradients come back in each input's own dtype.
 Checked on the CPU and on CUDA:
 - every combination of the four float dtypes for value, locations and weights gives exactly
   what the call with the points cast by the rule gives (dtypes of output and gradients too);
-- autocast's combination (half value, float32 points), plain and with every option, is within
-  1.5x of the error that rounding value alone to its dtype gives (the f64 oracle with value
-  rounded and exact points, its result rounded to value's dtype), forward and all three
-  gradients, and far below the error of the same call with its points rounded to half.
+- autocast's combination (half value, float32 points), plain and with every option: the forward
+  and the location and weight gradients within 1.5x of the error that rounding value alone to
+  its dtype gives (the f64 oracle with value rounded and exact points, its result rounded to
+  value's dtype), and far below the error of the same call with its points rounded to half;
+  grad_value, summed as the all-half call sums it, within 1.1x of that call's error at the same
+  inputs (deterministic=True: within 1.5x of the single rounding, as the forward).
 """
 import itertools
 
@@ -96,17 +98,28 @@ def test_autocast_points_lose_no_precision(generator, device, dtype, option):
             oracle_backward_general(rounded, grad_output.cpu(), **oracle_options)]
     yard = [yard[0].to(dtype), yard[1].to(f32), yard[2].to(f32)]
 
+    # the all-half call at the same inputs (its points rounded), against its own oracle:
+    # grad_value is summed as it sums it (half-precision atomics on sm_90 and newer)
+    half_loc, half_attn = loc.to(dtype), attn.to(dtype)
+    half_out, half_grads = _call(value, half_loc, half_attn, grad_output, **options)
+    half_inputs = dict(exact, sampling_locations=half_loc.double().cpu(),
+                       attention_weights=half_attn.double().cpu())
+    half_truth = oracle_backward_general(half_inputs, grad_output.cpu(), **oracle_options)
+    half_value_error = rel_l2(half_grads[0], half_truth[0])
+
     out, grads = _call(value, loc, attn, grad_output, **options)
     assert rel_l2(out, truth_out) <= 1.5 * rel_l2(yard_out, truth_out) + 1e-7
     for name, got, expected, yardstick in zip(GRAD_NAMES, grads, truth, yard):
         if nearest and name == "sampling_locations":
             assert got is None  # no location gradient at all
             continue
-        bound = 1.5 * rel_l2(yardstick, expected) + 1e-7
+        if name == "value" and not options.get("deterministic"):
+            bound = 1.1 * half_value_error + 1e-7
+        else:
+            bound = 1.5 * rel_l2(yardstick, expected) + 1e-7
         assert rel_l2(got, expected) <= bound, name
 
     # what the op did before the rule: points rounded to half precision, an error many times
     # the yardstick's (so the comparison above can fail)
-    old_out, _ = _call(value, loc.to(dtype), attn.to(dtype), grad_output, **options)
     if not nearest:
-        assert rel_l2(old_out, truth_out) > 2 * rel_l2(out, truth_out)
+        assert rel_l2(half_out, truth_out) > 2 * rel_l2(out, truth_out)

@@ -55,14 +55,14 @@ TABLE = [
     # the per-point kernel: f16 decoders, decoders with options, deterministic decoders, 128
     # channels in f32, G < 4 encoders (no aggregated kernel for 1 or 2 threads an item)
     ("f16 decoder", dict(dtype=f16, Q=900), R("point")),
-    ("f32 decoder softmax", dict(dtype=f32, Q=900, softmax=True), R("point")),
+    ("f32 decoder softmax (composed: the plain call's)", dict(dtype=f32, Q=900, softmax=True),
+     R("point_pipelined")),
     ("bf16 decoder nearest", dict(dtype=bf16, Q=900, sampling="nearest"), R("point")),
     ("f32 decoder per-level points", dict(dtype=f32, Q=900, P=16, num_points_list=[1, 3, 5, 7]),
      R("point")),
     ("f32 decoder deterministic", dict(dtype=f32, Q=900, deterministic=True), R("point", True)),
     ("f32 C=128 decoder", dict(dtype=f32, Q=900, C=128), R("point")),
     ("f32 C=8 encoder", dict(dtype=f32, Q=19947, C=8), R("point")),
-    ("sliced decoder with softmax", dict(dtype=f32, Q=300, softmax=True), R("point")),
     ("sliced decoder deterministic", dict(dtype=bf16, Q=300, deterministic=True),
      R("point", True)),
     # sliced points: too few blocks for the GPU (Deformable DETR's 300 queries)
@@ -80,25 +80,33 @@ TABLE = [
     # aggregated: encoders (Q * L * P >= 2 * S) with 16 or more channels
     ("f32 ddetr_enc", dict(dtype=f32, Q=19947), R("aggregated")),
     ("f16 ddetr_enc", dict(dtype=f16, Q=19947), R("aggregated")),
-    # float32 points with a half value (autocast's call): grad_value summed in float32 on sm_90
-    ("bf16 ddetr_enc f32 points", dict(dtype=bf16, Q=19947, points_dtype=f32),
+    # float32 points with a half value (autocast's call): the all-half call's route, for every
+    # route (grad_value summed as that call sums it: in float32 only where the code predates
+    # sm_90)
+    ("bf16 ddetr_enc f32 points", dict(dtype=bf16, Q=19947, points_dtype=f32), R("aggregated")),
+    ("f16 ddetr_enc f32 points", dict(dtype=f16, Q=19947, points_dtype=f32), R("aggregated")),
+    ("f16 dino_dec900 f32 points", dict(dtype=f16, Q=900, points_dtype=f32), R("point")),
+    ("bf16 dino_dec900 f32 points", dict(dtype=bf16, Q=900, points_dtype=f32),
+     R("point_pipelined")),
+    ("bf16 ddetr_dec f32 points", dict(dtype=bf16, Q=300, points_dtype=f32), R("point_sliced")),
+    ("f16 ddetr_dec f32 points", dict(dtype=f16, Q=300, points_dtype=f32), R("point")),
+    ("bf16 ddetr_dec f32 points A100", dict(dtype=bf16, Q=300, points_dtype=f32, device=A100),
+     R("point_sliced", False, True)),
+    ("bf16 dino_dec900 f32 points A100", dict(dtype=bf16, Q=900, points_dtype=f32,
+                                              device=A100), R("point_pipelined", False, True)),
+    ("f16 encoder f32 points A100", dict(dtype=f16, Q=19947, points_dtype=f32, device=A100),
      R("aggregated", False, True)),
-    ("f16 dino_dec900 f32 points", dict(dtype=f16, Q=900, points_dtype=f32),
-     R("point", False, True)),
-    ("bf16 dino_dec900 f32 points (not pipelined)", dict(dtype=bf16, Q=900, points_dtype=f32),
-     R("point", False, True)),
-    ("bf16 ddetr_dec f32 points (not sliced)", dict(dtype=bf16, Q=300, points_dtype=f32),
-     R("point", False, True)),
     ("bf16 ddetr_dec f32 points deterministic", dict(dtype=bf16, Q=300, points_dtype=f32,
                                                      deterministic=True), R("point", True)),
     ("bf16 f32 points without grad_value", dict(dtype=bf16, Q=900, points_dtype=f32,
                                                 grads=("sampling_locations",)),
      R("point_pipelined")),
+    ("bf16 C=12 f32 points", dict(dtype=bf16, Q=900, C=12, points_dtype=f32), R("generic")),
     ("bf16 encoder softmax", dict(dtype=bf16, Q=19947, softmax=True), R("aggregated")),
     ("f32 encoder deterministic", dict(dtype=f32, Q=19947, deterministic=True),
      R("aggregated", True)),
     ("f32 encoder deterministic softmax", dict(dtype=f32, Q=19947, deterministic=True,
-                                               softmax=True), R("point", True)),
+                                               softmax=True), R("aggregated", True)),
     ("f16 encoder A100", dict(dtype=f16, Q=19947, device=A100), R("aggregated", False, True)),
     ("f16 encoder A100 deterministic", dict(dtype=f16, Q=19947, device=A100, deterministic=True),
      R("aggregated", True)),
@@ -154,7 +162,7 @@ GPU_CASES = [
     ("generic", (f64, f32, f16, bf16), 3, 7, 2, {}, False),
     ("generic", (f64, f32, bf16), 6, 7, 2, {}, True),
     ("point", (f16,), 32, 7, 2, {}, False),
-    ("point", (f32, bf16), 32, 7, 2, dict(softmax=True), False),
+    ("point", (f32, bf16), 32, 7, 2, dict(sampling="nearest"), False),
     ("point", (f32, f16), 128, 7, 2, dict(sampling="nearest"), False),
     ("point", (f32, f16, bf16), 32, 7, 2, {}, True),
     ("point_sliced", (f32, bf16), 32, 7, 4, {}, False),
@@ -162,15 +170,14 @@ GPU_CASES = [
     ("point_pipelined", (f32, bf16), 16, 7, 2, {}, False),
     ("point_pipelined", (f32,), 64, 7, 2, {}, False),
     ("aggregated", (f32, f16, bf16), 32, 100, 2, {}, False),
-    ("aggregated", (f32, bf16), 64, 100, 2, dict(softmax=True), False),
+    ("aggregated", (f32, bf16), 64, 100, 2, dict(sampling="nearest"), False),
     ("aggregated", (f32, f16, bf16), 16, 100, 2, {}, True),
     ("none", (f32, f16), 32, 0, 2, {}, False),
 ]
 GRADS = {"all": ALL_GRADS, "value": ("value",), "points": ("sampling_locations",
                                                           "attention_weights")}
 # (deterministic concerns grad_value only: without it the route is another's); half dtypes
-# also with float32 points (MSDA_POINTS_F32, autocast's inputs), which take the same routes but
-# for the sliced and pipelined ones (the per-point kernel where grad_value is wanted)
+# also with float32 points (MSDA_POINTS_F32, autocast's inputs), which take the same routes
 GPU_PARAMS = [(kernel, dtype, C, Q, P, options, det, grads, points32)
               for kernel, dtypes, C, Q, P, options, det in GPU_CASES for dtype in dtypes
               for grads in GRADS if not (det and grads == "points")
@@ -186,25 +193,21 @@ def _gpu_id(p):
 
 @requires_cuda
 @pytest.mark.parametrize("case", GPU_PARAMS, ids=[_gpu_id(p) for p in GPU_PARAMS])
-def test_each_route_matches_f64_oracle_cuda(generator, case, fused_softmax):
+def test_each_route_matches_f64_oracle_cuda(generator, case):
     kernel, dtype, C, Q, P, options, det, grads, points32 = case
     grads = GRADS[grads]
     L = len(SHAPES)
     got_route = backward_route(2, S_SMALL, 3, C, L, Q, P, dtype, deterministic=det,
                                grads=grads, points_dtype=f32 if points32 else None, **options)
-    if points32 and "value" in grads and not det and kernel in ("point_sliced", "point_pipelined"):
-        kernel = "point"  # grad_value in the f32 workspace: the per-point kernel (c/routes.c)
     assert got_route.kernel == kernel and got_route.deterministic == (det and "value" in grads
                                                                       and Q > 0), got_route
-    # the f32 workspace: half precision, grad_value wanted, atomic, and float32 points or code
-    # older than sm_90
+    # the f32 workspace: half precision, grad_value wanted, atomic, code older than sm_90
     half_in_f32 = backward_route(1, 1, 1, 4, 1, 1, 1, f16).f32_workspace
     assert got_route.f32_workspace == (dtype in (f16, bf16) and "value" in grads and not det
-                                       and (half_in_f32 or points32)), got_route
-    softmax = options.get("softmax", False)
+                                       and half_in_f32), got_route
     nearest = options.get("sampling") == "nearest"
     inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L,
-                               dtype=f32 if points32 else dtype, device="cuda", logits=softmax)
+                               dtype=f32 if points32 else dtype, device="cuda")
     if points32:
         inputs["value"] = inputs["value"].to(dtype)
     shape = (2, Q, 3, L, P)
@@ -226,7 +229,7 @@ def test_each_route_matches_f64_oracle_cuda(generator, case, fused_softmax):
     grad_output = random_grad_output(generator, out)
     out, got = run(lambda *a: pymsda.ms_deform_attn(a[0], a[1], None, a[2], a[3],
                                                     deterministic=det, **options))
-    oracle_opts = dict(nearest=nearest, softmax=softmax)
+    oracle_opts = dict(nearest=nearest)
     expected_out = oracle_forward_general(inputs, **oracle_opts)
     expected = dict(zip(GRAD_NAMES, oracle_backward_general(inputs, grad_output, **oracle_opts)))
     if Q == 0:

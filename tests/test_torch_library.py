@@ -37,7 +37,7 @@ except ImportError:
     has_export = False
 requires_export = requires_torch_feature(has_export, "torch.export.export")
 
-FLAG_NEAREST, FLAG_SOFTMAX = pymsda._lib.FLAG_NEAREST, pymsda._lib.FLAG_SOFTMAX
+FLAG_NEAREST = pymsda._lib.FLAG_NEAREST
 
 
 def op_arguments(generator, device, variant, dtype=torch.float64):
@@ -55,20 +55,19 @@ def op_arguments(generator, device, variant, dtype=torch.float64):
         starts = None  # derived on the device from the int32 table
     elif variant == "cpu_tables":
         table, starts = table.cpu(), starts.cpu()
-    elif variant == "points_softmax":
+    elif variant == "level_points":
         counts = [3, 0, 2]  # RT-DETRv2 layout: (B, Q, H, sum(counts), 2)
         B, Q, H = attn.shape[:3]
         loc = torch.rand(B, Q, H, sum(counts), 2, generator=generator,
                          dtype=torch.float64).to(device=device, dtype=dtype)
-        attn = torch.randn(B, Q, H, sum(counts), generator=generator,
-                           dtype=torch.float64).to(device=device, dtype=dtype)
-        flags = FLAG_SOFTMAX
+        attn = torch.rand(B, Q, H, sum(counts), generator=generator,
+                          dtype=torch.float64).to(device=device, dtype=dtype)
     elif variant == "nearest":
         flags = FLAG_NEAREST
     return [value, table, starts, loc, attn, counts, flags]
 
 
-VARIANTS = ["plain", "int32_tables", "cpu_tables", "points_softmax", "nearest"]
+VARIANTS = ["plain", "int32_tables", "cpu_tables", "level_points", "nearest"]
 
 
 def test_ops_registered_exactly_where_torch_has_custom_op():
@@ -96,7 +95,7 @@ def test_opcheck_forward(generator, device, variant):
 @requires_opcheck
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant,needs", [("plain", (True, True, True)),
-                                           ("points_softmax", (True, False, True)),
+                                           ("level_points", (True, False, True)),
                                            ("cpu_tables", (False, True, False))])
 def test_opcheck_backward(generator, device, variant, needs):
     args = op_arguments(generator, device, variant)
