@@ -197,6 +197,13 @@ def time_ms(calls, reps, device, warmup):
     turn, after warmup calls. Python's cyclic garbage collector is off while the calls run, as
     timeit has it: a collection that happens to fall into one call would charge that call with
     the whole process's garbage."""
+    return time_ms_alternated([calls], reps, device, warmup)[0]
+
+
+def time_ms_alternated(groups, reps, device, warmup):
+    """time_ms of each group of calls (lists of equal length), their calls alternated: the i-th
+    call of every group, then the (i+1)-th, ..., so that the groups share the run's drift."""
+    calls = [call for same_set in zip(*groups) for call in same_set]
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -204,7 +211,7 @@ def time_ms(calls, reps, device, warmup):
     finally:
         if enabled:
             gc.enable()
-    return bench_cpu.percentiles(times)
+    return [bench_cpu.percentiles(times[g::len(groups)]) for g in range(len(groups))]
 
 
 # If the host falls behind the GPU while queuing the timed calls (the sleep kernel ended too
@@ -304,6 +311,17 @@ def precision(inputs):
         for key, grad, ref_grad in zip(GRAD_KEYS, yard_grads, ref_grads):
             errors["value_rounding_" + key] = rel_l2(grad, ref_grad)
         del yard, yard_grads
+        # the all-half call's grad_value error at the same inputs (its own points, rounded),
+        # which autocast's call's is to match
+        half = _all_half(inputs)
+        half_leaves = [half[k].detach().requires_grad_() for k in keys]
+        half_out = _pymsda(half_leaves[0], shapes, half_leaves[1], half_leaves[2])
+        half_grad = torch.autograd.grad(half_out, half_leaves[0], grad_output)[0]
+        half64 = [half[k].detach().double().requires_grad_() for k in keys]
+        out64 = ms_deform_attn_pytorch(half64[0], shapes, half64[1], half64[2])
+        errors["all_half_grad_value"] = rel_l2(
+            half_grad, torch.autograd.grad(out64, half64[0], grad_output.double())[0])
+        del half, half_leaves, half_out, half_grad, half64, out64
     for prefix, op in impls:
         try:
             leaves = [inputs[k].detach().requires_grad_() for k in keys]
@@ -382,12 +400,31 @@ def measure_overhead(device, reference=True, calls=2000, warmup=200, rounds=5, c
     return result
 
 
+def _all_half(inputs):
+    """An input set with float32 points (--points f32) as the all-half call has it: its points
+    rounded to value's dtype."""
+    dtype = inputs["value"].dtype
+    return dict(inputs, sampling_locations=inputs["sampling_locations"].to(dtype),
+                attention_weights=inputs["attention_weights"].to(dtype))
+
+
 def _time_pass(input_sets, pass_name, reps, device, warmup, reference, op=_pymsda):
-    """The timing columns of one row; a failing reference gives "n/a" and its reason."""
+    """The timing columns of one row; a failing reference gives "n/a" and its reason. Input sets
+    with float32 points (--points f32) are timed alternated with the all-half call's (the same
+    sets, points rounded to value's dtype): "all_half_ms"."""
     row = {"pass": pass_name, "reference_ms": None, "reference_p10_p90_ms": None,
            "reference_note": None, "speedup": None}
-    row["pymsda_ms"], *row["pymsda_p10_p90_ms"] = time_ms(pass_calls(op, input_sets, pass_name),
-                                                         reps, device, warmup)
+    if "value_exact" in input_sets[0]:
+        half_sets = [_all_half(inputs) for inputs in input_sets]
+        mine, half = time_ms_alternated([pass_calls(op, input_sets, pass_name),
+                                         pass_calls(op, half_sets, pass_name)],
+                                        reps, device, warmup)
+        del half_sets
+        row["pymsda_ms"], *row["pymsda_p10_p90_ms"] = mine
+        row["all_half_ms"], *row["all_half_p10_p90_ms"] = half
+    else:
+        row["pymsda_ms"], *row["pymsda_p10_p90_ms"] = time_ms(
+            pass_calls(op, input_sets, pass_name), reps, device, warmup)
     _free(device)
     if not reference:
         row["reference_note"] = "not run"
@@ -471,10 +508,14 @@ def _log_group(log, group):
     """One line for a shape and dtype's rows: each pass's median and speed-up, the errors."""
     errors = group[0]["errors"]
     times = "  ".join(f"{r['pass']} {r['pymsda_ms']:.3f} ms"
+                      + (f" (all-half {r['all_half_ms']:.3f})" if r.get("all_half_ms") else "")
                       + (f" ({r['speedup']:.1f}x)" if r["speedup"] else "") for r in group)
     rounding = errors.get("value_rounding_forward")
+    half = errors.get("all_half_grad_value")
     log(f"{group[0]['shape']} {group[0]['dtype']}: {times}  | fwd error {_number(errors['forward'])}"
-        + (f" (value's rounding alone {_number(rounding)})" if rounding else ""))
+        + (f" (value's rounding alone {_number(rounding)})" if rounding else "")
+        + (f", grad_value {_number(errors['grad_value'])} (all-half call {_number(half)})"
+           if half else ""))
 
 
 def checked_device(parser, device):
@@ -523,8 +564,10 @@ def main(argv=None):
                         help="time pymsda with deterministic=True (bitwise reproducible backward)")
     parser.add_argument("--points", choices=["same", "f32"], default="same",
                         help="f32: float32 locations and weights with the half dtypes (what "
-                             "autocast gives); errors against the unrounded value, beside the "
-                             "error of rounding value alone")
+                             "autocast gives), timed alternated with the all-half call (points "
+                             "rounded: the all-half column); errors against the unrounded value, "
+                             "beside the error of rounding value alone, and grad_value's beside "
+                             "the all-half call's")
     parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speed-ups")
     parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")

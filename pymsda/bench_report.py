@@ -42,9 +42,14 @@ def _timed(row, who):
 
 
 def format_table(result):
-    header = ["shape", "dtype", "pass", "pymsda ms (p10-p90)", "reference ms (p10-p90)", "speed-up", "error",
-              "ref error", "grad_value", "grad_loc", "grad_attn", "ref grad_value",
-              "ref grad_loc", "ref grad_attn"]
+    """The run as a text table; with --points f32 the all-half call's time (alternated with
+    pymsda's) and grad_value error beside pymsda's."""
+    half = any(row.get("all_half_ms") for row in result["rows"])
+    header = ["shape", "dtype", "pass", "pymsda ms (p10-p90)"] + (
+        ["all-half ms (p10-p90)"] if half else []) + [
+        "reference ms (p10-p90)", "speed-up", "error", "ref error", "grad_value", "grad_loc",
+        "grad_attn", "ref grad_value", "ref grad_loc", "ref grad_attn"] + (
+        ["all-half grad_value"] if half else [])
     lines, previous = [], None
     for row in result["rows"]:
         errors = row["errors"]
@@ -52,10 +57,12 @@ def format_table(result):
         previous = (row["shape"], row["dtype"])
         reference = (_timed(row, "reference") if row["reference_ms"] is not None
                      else f"n/a ({row['reference_note']})")
+        all_half = [_timed(row, "all_half") if row.get("all_half_ms") else "n/a"] if half else []
+        half_error = [_number(errors.get("all_half_grad_value")) if first else ""] if half else []
         lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
-                      _timed(row, "pymsda"), reference,
+                      _timed(row, "pymsda"), *all_half, reference,
                       _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
-                      *(_number(errors[k]) if first else "" for k in ERROR_KEYS)])
+                      *(_number(errors[k]) if first else "" for k in ERROR_KEYS), *half_error])
     widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]
     text = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w)
                       for i, (cell, w) in enumerate(zip(cells, widths)))
