@@ -4,6 +4,11 @@
 
 int msda_cuda_built(void) { return 0; }
 int msda_cuda_devices(void) { return 0; }
+int msda_cuda_kernels_run_on(int device) {
+    (void)device;
+    msda_set_error(MSDA_ERR_UNSUPPORTED, "msda_cuda_runs_on: this build has no CUDA kernels");
+    return 0;
+}
 const char *msda_cuda_arch_list(void) { return ""; }
 int msda_cuda_toolkit_version(void) { return 0; }
 

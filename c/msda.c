@@ -44,6 +44,7 @@ const char *msda_status_string(int status) {
 int msda_abi_version(void) { return MSDA_ABI_VERSION; }
 int msda_has_cuda(void) { return msda_cuda_built(); }
 int msda_cuda_device_count(void) { return msda_cuda_devices(); }
+int msda_cuda_runs_on(int device) { return msda_cuda_kernels_run_on(device); }
 const char *msda_cuda_archs(void) { return msda_cuda_arch_list(); }
 int msda_cuda_version(void) { return msda_cuda_toolkit_version(); }
 

@@ -114,6 +114,11 @@ MSDA_API int msda_abi_version(void);
 MSDA_API int msda_has_cuda(void);
 /* Number of CUDA devices the library can see (0 without CUDA kernels or without a driver). */
 MSDA_API int msda_cuda_device_count(void);
+/* 1 when this build's CUDA kernels can run on CUDA device `device`: it embeds machine code for
+ * the device's architecture, or PTX that the installed driver compiles for it. 0 otherwise, with
+ * msda_last_error saying why (no CUDA kernels in this build, no such device, no code for its
+ * architecture, a driver older than the PTX). Asks the driver (a context on that device). */
+MSDA_API int msda_cuda_runs_on(int device);
 /* Space-separated list of embedded GPU architectures, e.g. "sm_75 sm_80 ... compute_120";
  * "" in a CPU-only build. */
 MSDA_API const char *msda_cuda_archs(void);

@@ -141,6 +141,7 @@ int msda_cuda_level_starts(int64_t L, int64_t S, int index_dtype, int device,
 int64_t msda_cuda_workspace_size(const msda_problem *pr);
 int msda_cuda_built(void);
 int msda_cuda_devices(void);
+int msda_cuda_kernels_run_on(int device);
 const char *msda_cuda_arch_list(void);
 int msda_cuda_toolkit_version(void);
 

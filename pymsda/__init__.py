@@ -11,12 +11,14 @@ import torch
 
 from . import _buffers, _lib, export, reference, routes
 from .modules import MSDeformAttn
+from ._autograd import SlowPathWarning
 from .ops import MSDeformAttnFunction, ms_deform_attn
 from . import _script  # registers the op that torch.jit.script records
 
 __version__ = "0.1.0"
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",
-           "routes", "library_path", "has_cuda", "cuda_archs", "empty_cpu_cache"]
+           "routes", "library_path", "has_cuda", "cuda_archs", "empty_cpu_cache",
+           "SlowPathWarning"]
 
 
 def library_path():

@@ -7,6 +7,7 @@
 """
 import argparse
 import ctypes
+import os
 import platform
 import re
 import sys
@@ -99,9 +100,31 @@ def gpu_coverage():
     return rows
 
 
+_WHY = {"PYMSDA_LIBRARY": "named by the environment variable PYMSDA_LIBRARY",
+        "installed package": "the copy inside the package",
+        "source checkout": "the checkout's build/ folder (the package holds no library)"}
+
+
+def where():
+    """Lines saying which pymsda package and library this process uses, and why."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    checkout = os.path.dirname(package)
+    loaded = os.path.realpath(library_path())
+    origin = next((o for o, p in _lib.candidate_paths() if os.path.realpath(p) == loaded), None)
+    lines = [f"pymsda package: {package}",
+             f"pymsda library: {library_path()} (ABI {_lib.lib.msda_abi_version()}): "
+             f"{_WHY.get(origin, 'loaded')}"]
+    if os.path.isfile(os.path.join(checkout, "c", "msda.h")):
+        lines.append("                (a source checkout: Python imports the pymsda of the current "
+                     "directory before an installed one; run from another directory to check "
+                     "what `pip install .` installed)")
+    return lines
+
+
 def info():
     lib = _lib.lib
-    print(f"pymsda library: {library_path()} (ABI {lib.msda_abi_version()})")
+    for line in where():
+        print(line)
     if lib.msda_has_cuda():
         v = lib.msda_cuda_version()
         print(f"CUDA kernels:   yes, built with CUDA {_cuda_text(v)}; embedded: "

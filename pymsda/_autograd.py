@@ -6,6 +6,8 @@ of their device, packed into one msda_args. _MSDA is the one autograd.Function; 
 cheapest way in.
 """
 import ctypes
+import os
+import warnings
 
 import torch
 
@@ -177,17 +179,74 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _apply_direct = _find_apply_direct()
 
 
-def _library_serves(device):
-    return device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernels)
-
+# ---------------------------------------------------------------------------------------------
+# which devices the library serves; the pure-PyTorch path for the others
 
 _has_cuda_kernels = bool(lib.msda_has_cuda())
+# CUDA devices the library's kernels run on, and the library's reason for each one they do not
+# (msda_cuda_runs_on, asked once per device, on its first call)
+_served_cuda = set()
+_unserved_cuda = {}
+
+
+def _serves_cuda(index):
+    if index in _served_cuda:
+        return True
+    if index not in _unserved_cuda:
+        if lib.msda_cuda_runs_on(index):
+            _served_cuda.add(index)
+            return True
+        _unserved_cuda[index] = lib.msda_last_error().decode()
+    return False
+
+
+def _library_serves(device):
+    return device.type == "cpu" or (device.type == "cuda" and _serves_cuda(device.index))
+
+
+class SlowPathWarning(UserWarning):
+    """A CUDA call of pymsda ran on the pure-PyTorch path (pymsda.reference): several times
+    slower than the library's kernels and with many times their memory."""
+
+
+REQUIRE_KERNELS = "PYMSDA_REQUIRE_KERNELS"
+_slow_path_warned = False
+
+
+def _slow_path(device):
+    """Called before the pure-PyTorch op serves a tensor on CUDA device `device`: the first time
+    in the process a SlowPathWarning naming the cause and the fix; a RuntimeError instead, on
+    every such call, where the environment sets PYMSDA_REQUIRE_KERNELS=1."""
+    global _slow_path_warned
+    strict = os.environ.get(REQUIRE_KERNELS, "0") not in ("", "0")
+    if _slow_path_warned and not strict:
+        return
+    if not _has_cuda_kernels:
+        cause = f"the pymsda library it loaded ({_lib.path}) was built without CUDA kernels"
+        fix = ("build them: in the pymsda checkout, `make && pip install .` with a CUDA compiler "
+               "present (no CUDA toolkit? README, Set up, says which pip command installs one)")
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        cause = _unserved_cuda.get(device.index, "its kernels do not run on this GPU")
+        fix = (f"rebuild for this GPU: `make CUDA_ARCHS={major}{minor} && pip install .` in the "
+               "pymsda checkout, or update the NVIDIA driver if it is older than the CUDA the "
+               "library was built with")
+    text = (f"pymsda: a call on {device} runs on the pure-PyTorch path (several times slower "
+            f"than the kernels, many times their memory): {cause}. Fix: {fix}. Set "
+            f"{REQUIRE_KERNELS}=1 to make this an error.")
+    if strict:
+        raise RuntimeError(text)
+    _slow_path_warned = True
+    warnings.warn(text, SlowPathWarning, stacklevel=4)
 
 
 def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     """The pure-PyTorch op, for a device the library does not serve (a GPU without the
-    library's CUDA kernels, MPS, ...); with float32 points and a half value (the dtype rule,
-    _plan._points) it runs in float32 and rounds the output to value's dtype."""
+    library's CUDA kernels: with a SlowPathWarning, MPS, ...); with float32 points and a half
+    value (the dtype rule, _plan._points) it runs in float32 and rounds the output to value's
+    dtype."""
+    if value.is_cuda:
+        _slow_path(value.device)
     from .reference import ms_deform_attn_pytorch
     out = ms_deform_attn_pytorch(
         value if value.dtype is loc.dtype else value.to(loc.dtype), spatial_shapes, loc, attn,

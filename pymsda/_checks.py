@@ -26,6 +26,15 @@ def _describe(t):
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
+# The layout each tensor argument has, by its rank (the smaller with num_points_list: N points
+# in all, level 0's first)
+_LAYOUTS = {("value", 4): "(B, S, H, C)",
+            ("sampling_locations", 6): "(B, Q, H, L, P, 2)",
+            ("sampling_locations", 5): "(B, Q, H, N, 2) with num_points_list",
+            ("attention_weights", 5): "(B, Q, H, L, P)",
+            ("attention_weights", 4): "(B, Q, H, N) with num_points_list"}
+
+
 def _check_float_tensor(name, t, ndim):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -33,7 +42,9 @@ def _check_float_tensor(name, t, ndim):
         raise TypeError(
             f"{name} must be float32, float64, float16 or bfloat16, got {_describe(t)}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got {_describe(t)}")
+        layout = _LAYOUTS.get((name, ndim))
+        raise ValueError(f"{name} must have {ndim} dimensions"
+                         + (f" {layout}" if layout else "") + f", got {_describe(t)}")
 
 
 def _check_index_device(name, t, device):

@@ -101,6 +101,8 @@ _SIGNATURES = {
     "msda_has_cuda": (_int, []),
     # int msda_cuda_device_count(void)
     "msda_cuda_device_count": (_int, []),
+    # int msda_cuda_runs_on(int device)
+    "msda_cuda_runs_on": (_int, [_int]),
     # const char *msda_cuda_archs(void)
     "msda_cuda_archs": (_str, []),
     # int msda_cuda_version(void)

@@ -7,7 +7,7 @@ import torch
 
 from ._checks import (_DTYPE_CODE, _MAX_ELEMENTS, _aligned_contiguous, _check_levels,
                       _check_min_sizes, _check_sizes, _check_tensors, _elements_fit, _level_points)
-from ._autograd import _has_cuda_kernels
+from ._autograd import _served_cuda
 from ._tables import _list_levels_cache, _prepare_levels, _remembered_tensor_levels
 
 
@@ -104,7 +104,7 @@ def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
     if (levels is None or levels.L != L or (levels.total is not None and levels.total != S)
             or C < 1 or H < 1 or P < 1
             or B * H * (S * C + Q * C + Q * L * P * 2) > _MAX_ELEMENTS  # (_elements_fit)
-            or not (_has_cuda_kernels if value.is_cuda else device.type == "cpu")):
+            or not (device.index in _served_cuda if value.is_cuda else device.type == "cpu")):
         return None
     value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
     if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():

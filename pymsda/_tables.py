@@ -3,7 +3,7 @@ checked against value where their numbers can be read without a device synchroni
 cached, so a model's calls with the same shapes cost a dictionary lookup."""
 import torch
 
-from ._autograd import _current_stream, _has_cuda_kernels
+from ._autograd import _current_stream, _serves_cuda
 from ._checks import (_INDEX_CODE, BoundedCache, _Tensor, _aligned_contiguous, _check,
                       _check_pairs, _check_shapes_tensor, _check_start_index_tensor, _check_positive,
                       _tracing, _validating)
@@ -202,7 +202,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
     shapes = _aligned_contiguous(spatial_shapes.to(device))
     if level_start_index is not None:
         starts = _aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
-    elif device.type == "cuda" and _has_cuda_kernels and not _tracing():
+    elif device.type == "cuda" and _serves_cuda(device.index) and not _tracing():
         # derived on the device by one small kernel (c/msda.h), afresh on every call, so that
         # a change of the shapes' numbers is followed
         starts = torch.empty(shapes.shape[0], dtype=shapes.dtype, device=device)

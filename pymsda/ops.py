@@ -11,7 +11,7 @@ recorded. The dispatcher costs several microseconds a call, so eager calls do no
 from typing import Any, Optional
 
 from . import _lib
-from ._autograd import _MetaMSDA, _has_cuda_kernels, _reference, _run
+from ._autograd import _MetaMSDA, _library_serves, _reference, _run
 from ._checks import _Tensor, _deterministic_algorithms, _dispatch_modes, _flags, _is_compiling, \
     _traced
 from .export import _dynamo_traced, _jit_traced, _tracing_state
@@ -148,7 +148,7 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     value, levels, loc, attn, sizes, lp = _prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         validate, num_points_list)
-    if not (_has_cuda_kernels if value.is_cuda else value.device.type == "cpu"):
+    if not _library_serves(value.device):
         device = value.device  # a device the library does not serve
         if device.type == "meta":
             return _MetaMSDA.apply(value, loc, attn, sizes)

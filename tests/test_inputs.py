@@ -65,6 +65,17 @@ def test_wrong_ndim_raises_value_error_naming_argument(inputs, name, bad):
         run_msda(inputs, **{name: bad(inputs[name])})
 
 
+@pytest.mark.parametrize("name,layout", [("value", "(B, S, H, C)"),
+                                         ("sampling_locations", "(B, Q, H, L, P, 2)"),
+                                         ("attention_weights", "(B, Q, H, L, P)")])
+def test_wrong_ndim_message_gives_the_expected_layout(inputs, name, layout):
+    flat = inputs[name].flatten(-2)  # one dimension short
+    with pytest.raises(ValueError) as raised:
+        run_msda(inputs, **{name: flat})
+    assert str(raised.value).startswith(f"{name} must have {inputs[name].dim()} dimensions "
+                                        f"{layout}, got shape {tuple(flat.shape)}")
+
+
 # ---- mismatched sizes: ValueError --------------------------------------------------------------
 
 def _resize(tensor, dim, size):

@@ -271,6 +271,24 @@ def test_python_m_pymsda_info_lists_the_embedded_architectures():
         assert "CUDA kernels:   no (CPU-only build)" in done.stdout
 
 
+def test_python_m_pymsda_says_which_package_and_library_and_why(monkeypatch):
+    import pymsda.__main__ as cli
+    lines = "\n".join(cli.where())
+    assert f"pymsda package: {os.path.dirname(pymsda.__file__)}" in lines
+    reason = {"installed package": "the copy inside the package",
+              "source checkout": "the checkout's build/ folder",
+              "PYMSDA_LIBRARY": "the environment variable PYMSDA_LIBRARY"}
+    loaded = os.path.realpath(pymsda.library_path())
+    origin = next(o for o, p in cli._lib.candidate_paths() if os.path.realpath(p) == loaded)
+    assert reason[origin] in lines
+    # a source checkout says that it shadows an installed copy
+    in_checkout = os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(pymsda.__file__)),
+                                              "c", "msda.h"))
+    assert ("a source checkout" in lines) == in_checkout
+    monkeypatch.setenv("PYMSDA_LIBRARY", pymsda.library_path())
+    assert reason["PYMSDA_LIBRARY"] in "\n".join(cli.where())
+
+
 # ---- the wheel (issue 8) ------------------------------------------------------------------------
 
 def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, monkeypatch):
