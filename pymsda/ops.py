@@ -93,9 +93,8 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         precision. That is what torch.autocast gives a Deformable-DETR-style model (value from
         an nn.Linear in half precision, float32 reference points + offsets and a float32
         softmax), and it costs no cast. grad_value is summed as the all-half call sums it on
-        that GPU (half-precision atomics on sm_90 and newer), so autocast's call runs at the
-        all-half call's speed: no less precise than the same call in value's dtype, and the
-        points never rounded. A point dtype narrower than value's is widened to it
+        that GPU (half-precision atomics on sm_90 and newer), by the same kernels: no less
+        precise than the same call in value's dtype, and the points never rounded. A point dtype narrower than value's is widened to it
         (float16 points with a float32 value), a float64 value runs in float64 throughout.
         Gradients come back in each input's own dtype. The op is not itself on an autocast
         list.
