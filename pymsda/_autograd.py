@@ -13,17 +13,9 @@ import torch
 
 from . import _lib
 from ._buffers import pool as _cpu_pool
-from ._checks import _DTYPE_CODE, _check
-from ._lib import lib
-
-# The raw cudaStream_t of a device's current stream. torch._C._cuda_getCurrentRawStream returns
-# it as an int without building a Stream object; older or unusual torch builds fall back to the
-# public API.
-def _public_current_stream(device_index):
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_current_stream
+from ._checks import _DTYPE_CODE
+from ._lib import check as _check, current_stream as _current_stream, lib
+from ._torch_private import direct_apply, functorch_active as _functorch_active
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,52 +149,14 @@ class _MSDA(torch.autograd.Function):
         return _grads_of_node(ctx, grad_out)
 
 
-def _find_apply_direct():
-    """torch.autograd.Function.apply is a Python wrapper (functorch transforms, setup_context's
-    default arguments) around the C++ apply of torch._C._FunctionBase. Outside functorch
-    transforms _MSDA, which has no setup_context, needs none of it, and calling the C++ apply
-    directly saves about 2 us a call (4-5 on a slow host). None where this torch is laid out
-    otherwise: then _MSDA.apply is used."""
-    if _functorch_active is None:
-        return None
-    try:
-        direct = super(torch.autograd.Function, _MSDA).apply
-    except AttributeError:
-        return None
-    wrapper = getattr(torch.autograd.Function.apply, "__func__", None)
-    if getattr(direct, "__func__", None) is wrapper or getattr(direct, "__self__", None) is not _MSDA:
-        return None
-    return direct
-
-
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-_apply_direct = _find_apply_direct()
+# _MSDA.apply without torch.autograd.Function's Python wrapper, which _MSDA (no setup_context)
+# needs only under functorch transforms: about 2 us a call less (4-5 on a slow host); None
+# where this torch does not allow it (then _MSDA.apply)
+_apply_direct = direct_apply(_MSDA)
 
 
 # ---------------------------------------------------------------------------------------------
 # which devices the library serves; the pure-PyTorch path for the others
-
-_has_cuda_kernels = bool(lib.msda_has_cuda())
-# CUDA devices the library's kernels run on, and the library's reason for each one they do not
-# (msda_cuda_runs_on, asked once per device, on its first call)
-_served_cuda = set()
-_unserved_cuda = {}
-
-
-def _serves_cuda(index):
-    if index in _served_cuda:
-        return True
-    if index not in _unserved_cuda:
-        if lib.msda_cuda_runs_on(index):
-            _served_cuda.add(index)
-            return True
-        _unserved_cuda[index] = lib.msda_last_error().decode()
-    return False
-
-
-def _library_serves(device):
-    return device.type == "cpu" or (device.type == "cuda" and _serves_cuda(device.index))
-
 
 class SlowPathWarning(UserWarning):
     """A CUDA call of pymsda ran on the pure-PyTorch path (pymsda.reference): several times
@@ -221,13 +175,13 @@ def _slow_path(device):
     strict = os.environ.get(REQUIRE_KERNELS, "0") not in ("", "0")
     if _slow_path_warned and not strict:
         return
-    if not _has_cuda_kernels:
+    if not _lib.has_cuda_kernels:
         cause = f"the pymsda library it loaded ({_lib.path}) was built without CUDA kernels"
         fix = ("build them: in the pymsda checkout, `make && pip install .` with a CUDA compiler "
                "present (no CUDA toolkit? README, Set up, says which pip command installs one)")
     else:
         major, minor = torch.cuda.get_device_capability(device)
-        cause = _unserved_cuda.get(device.index, "its kernels do not run on this GPU")
+        cause = _lib.unserved_cuda.get(device.index, "its kernels do not run on this GPU")
         fix = (f"rebuild for this GPU: `make CUDA_ARCHS={major}{minor} && pip install .` in the "
                "pymsda checkout, or update the NVIDIA driver if it is older than the CUDA the "
                "library was built with")

@@ -11,8 +11,9 @@ and grows again. Numbers: kernels/TUNING.md, "CPU allocation".
 What: a pool of at most SLOTS storages of at least MIN_BYTES, together at most max_bytes (the
 PYMSDA_CPU_POOL_MB environment variable at import, default 256; 0 turns the pool off). empty()
 hands out a pooled storage of the asked size only when the pool holds the only reference to it:
-torch._C._storage_Use_Count counts the tensors on the storage (views, the autograd graph's saved
-tensors and a parameter's .grad included), and the Python references to the storage's object
+torch's storage use count (pymsda/_torch_private.py) counts the tensors on the storage (views,
+the autograd graph's saved tensors and a parameter's .grad included), and the Python references
+to the storage's object
 count a caller that holds it (tensor.untyped_storage() returns the pool's own object), so a
 buffer that anything still uses is never handed out again. That function is private; both counts
 are checked at import against a storage in each state, and where the function is missing or
@@ -26,6 +27,8 @@ import sys
 import threading
 
 import torch
+
+from ._torch_private import storage_use_count
 
 MIN_BYTES = 256 << 10
 SLOTS = 8
@@ -47,23 +50,23 @@ def _references(storage):
 
 
 def _checked_idle_test():
-    """(use_count, references) that say a pooled storage is idle: torch._C._storage_Use_Count
+    """(use_count, references) that say a pooled storage is idle: storage_use_count
     and the Python references _references counts for a storage held only by the pool's list;
     (None, 0) where that private function is missing or does not count what the pool relies on
     (then the pool hands out plain torch.empty tensors)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return None, 0
+    use_count = storage_use_count
     try:
+        if use_count(torch.UntypedStorage(64)) is None:
+            return None, 0
         held = [torch.UntypedStorage(64)]
-        alone = use_count(held[0]._cdata), _references(held[0])
+        alone = use_count(held[0]), _references(held[0])
         view = torch.empty(0, dtype=torch.uint8).set_(held[0], 0, (64,))
-        viewed = use_count(held[0]._cdata)
+        viewed = use_count(held[0])
         storage_object = view.untyped_storage()
         del view
-        object_held = use_count(held[0]._cdata), _references(held[0])
+        object_held = use_count(held[0]), _references(held[0])
         del storage_object
-        released = use_count(held[0]._cdata), _references(held[0])
+        released = use_count(held[0]), _references(held[0])
     except Exception:  # a torch whose private API changed: no pool
         return None, 0
     works = (alone[0] == 1 and viewed == 2 and object_held[0] == 1 and object_held[1] > alone[1]
@@ -119,7 +122,7 @@ class CpuBufferPool:
         """Whether nothing but the pool uses its storage i: no tensor or view on it (they count
         in the storage's use count) and no caller holding its Python object."""
         storages = self._storages
-        return (self._use_count(storages[i]._cdata) == 1
+        return (self._use_count(storages[i]) == 1
                 and _references(storages[i]) <= self._idle_references)
 
     def idle_bytes(self):

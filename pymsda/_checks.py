@@ -3,7 +3,6 @@ and what was given. The fast checks answer the common call in one pass and fall 
 named ones, which say what is wrong. Also the option flags, the tracing test, and the cache that
 the level tables and point-count tables use."""
 import ctypes
-import os
 
 import torch
 
@@ -90,31 +89,10 @@ def _aligned_contiguous(t):
     return t
 
 
-def _env_reader(name):
-    """A function that returns os.environ.get(name). It looks the name up in os.environ's own
-    mapping with the key encoded once: os.environ.get encodes it on every call (about 0.8 us, a
-    cost every call with tables on the GPU would pay). Falls back to os.environ.get where
-    os.environ is laid out otherwise."""
-    env = os.environ
-    try:
-        data, key, decode = env._data, env.encodekey(name), env.decodevalue
-        data.get(key)
-    except Exception:  # another Python's os.environ
-        return lambda: env.get(name)
-
-    def read():
-        raw = data.get(key)
-        return None if raw is None else decode(raw)
-    return read
-
-
-_validate_env = _env_reader("PYMSDA_VALIDATE")
-
-
 def _validating(validate):
     """validate, or PYMSDA_VALIDATE=1 (read on every call, so setting it later counts). Only
     asked where it changes something (tables on the GPU)."""
-    return validate or _validate_env() == "1"
+    return validate or _lib.getenv(b"PYMSDA_VALIDATE") == b"1"
 
 
 def _check_tensors(value, sampling_locations, attention_weights, per_level):
@@ -336,35 +314,12 @@ def _check_grad_output(grad_output, B, Q, H, C, device):
                          f"{device}, got {_describe(grad_output)}")
 
 
-def _check(status):
-    if status != _lib.OK:
-        exc = ValueError if status == _lib.ERR_INVALID_ARGUMENT else RuntimeError
-        raise exc("pymsda: " + _lib.error_text(status))
-
-
 # ---------------------------------------------------------------------------------------------
 # where the call comes from, and its options
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 0)
-_EAGER_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _tracing():
-    """torch.compile or torch.export tracing, or a dispatch mode (fake tensors, make_fx,
-    FlopCounterMode): tensors made now may not be real, so nothing is cached."""
-    return _is_compiling() or _dispatch_modes() > 0
-
-
-def _traced(value, sampling_locations, attention_weights):
-    """Whether this call must go through the dispatcher to be seen: _tracing(), or a tensor
-    subclass. Plain tensors in eager mode answer False within a few hundred nanoseconds."""
-    if _is_compiling() or _dispatch_modes():
-        return True
-    for t in (value, sampling_locations, attention_weights):
-        if type(t) not in _EAGER_TYPES and isinstance(t, torch.Tensor):
-            return True
-    return False
+from ._torch_private import dispatch_mode_depth as _dispatch_modes  # noqa: E402
+from ._torch_private import is_compiling as _is_compiling  # noqa: E402
+from ._torch_private import traced as _traced, tracing as _tracing  # noqa: E402
 
 
 _SAMPLING_FLAGS = {"bilinear": 0, "nearest": _lib.FLAG_NEAREST}

@@ -1,12 +1,17 @@
-"""Loads libpymsda.so with ctypes and declares every C symbol once (mirror of c/msda.h).
+"""Loads libpymsda.so with ctypes and declares every C symbol once (mirror of c/msda.h); the
+facts of the devices it serves; a failed status as the exception Python raises.
 
 Search order: the PYMSDA_LIBRARY environment variable, then the copy installed inside this
 package, then the build folder of a source checkout (../build next to this package). A failure
 raises ImportError that names every path tried and why it was refused.
+
+The lowest layer of the package: it imports nothing of pymsda but _torch_private.
 """
 import ctypes
 import os
 import struct
+
+from ._torch_private import current_raw_stream
 
 ABI_VERSION = 9  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
@@ -177,9 +182,52 @@ def load():
 
 lib, path = load()
 
+# getenv(b"NAME") -> the variable's bytes or None, read from the process environment (which
+# os.environ writes through), in a fraction of os.environ.get's time: for variables read on
+# every call (PYMSDA_VALIDATE)
+getenv = ctypes.CDLL(None).getenv
+getenv.restype, getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+
 
 def error_text(status):
     """The library's message for a failed call on this thread."""
     name = lib.msda_status_string(status).decode()
     text = lib.msda_last_error().decode()
     return f"{text} [{name}]" if text else name
+
+
+def check(status):
+    """Raises for a failed status: ValueError for an argument the library refused, RuntimeError
+    otherwise, with the library's message."""
+    if status != OK:
+        exc = ValueError if status == ERR_INVALID_ARGUMENT else RuntimeError
+        raise exc("pymsda: " + error_text(status))
+
+
+# ---------------------------------------------------------------------------------------------
+# the devices the library serves
+
+has_cuda_kernels = bool(lib.msda_has_cuda())
+# current_stream(device_index) -> the raw cudaStream_t of that device's current stream
+current_stream = current_raw_stream
+# CUDA devices the library's kernels run on, and the library's reason for each one they do not
+# (msda_cuda_runs_on, asked once per device, on its first call)
+served_cuda = set()
+unserved_cuda = {}
+
+
+def serves_cuda(index):
+    """Whether the library's kernels run on CUDA device `index` (asked once)."""
+    if index in served_cuda:
+        return True
+    if index not in unserved_cuda:
+        if lib.msda_cuda_runs_on(index):
+            served_cuda.add(index)
+            return True
+        unserved_cuda[index] = lib.msda_last_error().decode()
+    return False
+
+
+def serves(device):
+    """Whether the library serves tensors on `device` (the CPU, or a CUDA device it runs on)."""
+    return device.type == "cpu" or (device.type == "cuda" and serves_cuda(device.index))

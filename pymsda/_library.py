@@ -7,7 +7,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _lib
-from ._autograd import _backward, _forward, _library_serves, _reference
+from ._autograd import _backward, _forward, _reference
+from ._lib import serves as _library_serves
 from ._checks import (_check_float_tensor, _check_grad_output, _check_pairs, _check_shapes_only,
                       _point_counts)
 from ._plan import _points, _prepare

@@ -7,7 +7,7 @@ import torch
 
 from ._checks import (_DTYPE_CODE, _MAX_ELEMENTS, _aligned_contiguous, _check_levels,
                       _check_min_sizes, _check_sizes, _check_tensors, _elements_fit, _level_points)
-from ._autograd import _served_cuda
+from ._lib import served_cuda as _served_cuda
 from ._tables import _list_levels_cache, _prepare_levels, _remembered_tensor_levels
 
 

@@ -14,6 +14,7 @@ level_start_index are typed Any, so they may be tensors or lists, as in eager co
 import torch
 
 from . import _library
+from ._torch_private import register_script_builtin, script_unsupported
 from .ops import ms_deform_attn
 
 SCHEMA = ("ms_deform_attn(Tensor value, Any spatial_shapes, Any level_start_index, "
@@ -46,7 +47,8 @@ def _register():
         library = Library("pymsda", "FRAGMENT" if _library.HAS_TORCH_LIBRARY_OPS else "DEF")
         library.define(SCHEMA)
         library.impl("ms_deform_attn", _kernel, "CompositeImplicitAutograd")
-        torch.jit._builtins._register_builtin(ms_deform_attn, "pymsda::ms_deform_attn")
+        if not register_script_builtin(ms_deform_attn, "pymsda::ms_deform_attn"):
+            return None
     except (AttributeError, RuntimeError, ValueError):
         return None
     return library
@@ -56,6 +58,6 @@ _op_library = _register()
 HAS_SCRIPT_OP = _op_library is not None
 # torch.jit.script(pymsda.ms_deform_attn) itself: say what works (calls from scripted code are
 # resolved to the builtin before this is looked at)
-ms_deform_attn.__script_unsupported = _DIRECTLY if HAS_SCRIPT_OP else (
+script_unsupported(ms_deform_attn, _DIRECTLY if HAS_SCRIPT_OP else (
     "pymsda.ms_deform_attn cannot be compiled by torch.jit.script with torch "
-    f"{torch.__version__}: use torch.jit.trace (it records the op), or torch.onnx.export")
+    f"{torch.__version__}: use torch.jit.trace (it records the op), or torch.onnx.export"))

@@ -3,11 +3,11 @@ checked against value where their numbers can be read without a device synchroni
 cached, so a model's calls with the same shapes cost a dictionary lookup."""
 import torch
 
-from ._autograd import _current_stream, _serves_cuda
-from ._checks import (_INDEX_CODE, BoundedCache, _Tensor, _aligned_contiguous, _check,
+from ._checks import (_INDEX_CODE, BoundedCache, _Tensor, _aligned_contiguous,
                       _check_pairs, _check_shapes_tensor, _check_start_index_tensor, _check_positive,
                       _tracing, _validating)
-from ._lib import lib
+from ._lib import check as _check, current_stream as _current_stream, lib, \
+    serves_cuda as _serves_cuda
 
 # ---------------------------------------------------------------------------------------------
 # shape tables

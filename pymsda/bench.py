@@ -56,6 +56,7 @@ from . import bench_cpu
 from .bench_cpu import failure as _failure
 from .bench_report import (ERROR_KEYS, GRAD_KEYS, PASSES, _number, environment,  # noqa: F401
                            format_markdown, format_table, plot, write_json)
+from ._torch_private import gpu_sleep
 from .reference import ms_deform_attn_pytorch
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
@@ -242,11 +243,11 @@ def _times_ms(calls, reps, device, warmup):
         host = time.perf_counter() - host
         torch.cuda.synchronize(device)
         for attempt in range(QUEUE_ATTEMPTS):
-            if hasattr(torch.cuda, "_sleep"):
+            if gpu_sleep is not None:
                 queue_s = min(8.0, 4 ** attempt * min(2.0, 1.5 * host * reps * len(calls) + 1e-3))
                 clock_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0)
                 clock_hz = 1e3 * clock_khz if clock_khz else 2e9
-                torch.cuda._sleep(int(queue_s * clock_hz))
+                gpu_sleep(int(queue_s * clock_hz))
             events = []
             for _ in range(reps):
                 for call in calls:

@@ -13,7 +13,8 @@
     torch.jit.script             the op pymsda::ms_deform_attn (pymsda/_script.py), whose kernel
                                  is ms_deform_attn: scripted code computes what eager code does;
                                  drop-ins TorchScript cannot compile raise saying what works
-                                 (_not_scriptable, _script_unsupported)
+                                 (pymsda/_torch_private.py: not_scriptable,
+                                 script_unsupported_because)
 
 The decomposition reads the level sizes from spatial_shapes as the graph runs when it is a
 tensor (so image sizes may vary), or bakes them in when it is a list.
@@ -40,6 +41,7 @@ from ._checks import _check_pairs, _point_counts
 from ._decompose import decompose
 from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
 from ._tables import _starts_of
+from ._torch_private import jit_tracing_state
 
 __all__ = ["onnx_options", "decompositions", "TENSORRT_PLUGIN"]
 
@@ -84,33 +86,10 @@ def onnx_options(tensorrt=False, plugin_version="1", method="gather"):
         _options.tensorrt, _options.plugin_version, _options.method = saved
 
 
-def _not_scriptable(module):
-    """__prepare_scriptable__ of the drop-in modules whose forward TorchScript cannot compile
-    (that of the project they mirror cannot be scripted either): say what works instead of
-    failing deep inside the compiler."""
-    raise RuntimeError(
-        f"pymsda: {type(module).__module__}.{type(module).__qualname__} cannot be compiled by "
-        "torch.jit.script (its forward is Python that TorchScript does not take, as is the "
-        "original's). Use torch.jit.trace (it records pymsda's op), torch.export or "
-        "torch.onnx.export; or script code that calls pymsda.ms_deform_attn or holds "
-        "pymsda.MSDeformAttn, which TorchScript compiles (see README, Export)")
-
-
-def _script_unsupported(function, why):
-    """Marks function (returned) so that torch.jit.script, of it or of code calling it, raises
-    this instead of TorchScript's own error about the function's Python."""
-    function.__script_unsupported = (
-        f"pymsda: {function.__module__}.{function.__qualname__} cannot be compiled by "
-        f"torch.jit.script ({why}). Use torch.jit.trace (it records pymsda's op), torch.export "
-        "or torch.onnx.export; or script code that calls pymsda.ms_deform_attn, which "
-        "TorchScript records as the operator pymsda::ms_deform_attn (see README, Export)")
-    return function
-
-
 # ---------------------------------------------------------------------------------------------
 # where ops.ms_deform_attn comes in
 
-_tracing_state = torch._C._get_tracing_state
+_tracing_state = jit_tracing_state
 
 
 def _onnx_exporting():

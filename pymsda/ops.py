@@ -11,7 +11,8 @@ recorded. The dispatcher costs several microseconds a call, so eager calls do no
 from typing import Any, Optional
 
 from . import _lib
-from ._autograd import _MetaMSDA, _library_serves, _reference, _run
+from ._autograd import _MetaMSDA, _reference, _run
+from ._lib import serves as _library_serves
 from ._checks import _Tensor, _deterministic_algorithms, _dispatch_modes, _flags, _is_compiling, \
     _traced
 from .export import _dynamo_traced, _jit_traced, _tracing_state

@@ -3,7 +3,7 @@ for devices the C library does not serve. Runs on any device and dtype grid_samp
 import torch
 import torch.nn.functional as F
 
-from .export import _script_unsupported
+from ._torch_private import script_unsupported_because
 
 __all__ = ["ms_deform_attn_pytorch"]
 
@@ -88,5 +88,5 @@ def ms_deform_attn_pytorch(value, spatial_shapes, sampling_locations, attention_
     return out.view(B, H * C, Q).transpose(1, 2).contiguous()
 
 
-_script_unsupported(ms_deform_attn_pytorch, "the pure-PyTorch MSDA reads the level sizes on the "
+script_unsupported_because(ms_deform_attn_pytorch, "the pure-PyTorch MSDA reads the level sizes on the "
                     "host, as mmcv's and Deformable DETR's do")

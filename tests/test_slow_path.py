@@ -30,7 +30,7 @@ def fresh(monkeypatch):
 
 
 def test_library_without_cuda_kernels_warns_once_naming_the_build(fresh, recwarn):
-    fresh.setattr(_autograd, "_has_cuda_kernels", False)
+    fresh.setattr(_lib, "has_cuda_kernels", False)
     _autograd._slow_path(torch.device("cuda", 0))
     _autograd._slow_path(torch.device("cuda", 0))
     warned = [w for w in recwarn if issubclass(w.category, pymsda.SlowPathWarning)]
@@ -41,8 +41,8 @@ def test_library_without_cuda_kernels_warns_once_naming_the_build(fresh, recwarn
 
 
 def test_gpu_the_kernels_do_not_run_on_names_the_library_reason_and_its_arch(fresh, recwarn):
-    fresh.setattr(_autograd, "_has_cuda_kernels", True)
-    fresh.setattr(_autograd, "_unserved_cuda",
+    fresh.setattr(_lib, "has_cuda_kernels", True)
+    fresh.setattr(_lib, "unserved_cuda",
                   {3: "msda_cuda_runs_on: the kernels (sm_100 compute_100) cannot run"})
     fresh.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
     _autograd._slow_path(torch.device("cuda", 3))
@@ -52,7 +52,7 @@ def test_gpu_the_kernels_do_not_run_on_names_the_library_reason_and_its_arch(fre
 
 
 def test_require_kernels_raises_on_every_call(fresh):
-    fresh.setattr(_autograd, "_has_cuda_kernels", False)
+    fresh.setattr(_lib, "has_cuda_kernels", False)
     fresh.setenv(_autograd.REQUIRE_KERNELS, "1")
     for _ in range(2):
         with pytest.raises(RuntimeError, match="pure-PyTorch path"):

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from ..export import _script_unsupported
+from .._torch_private import script_unsupported_because as _script_unsupported
 
 # (module name, attribute) -> (the project's original, what replaced it)
 _SWITCHED = {}

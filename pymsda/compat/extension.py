@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import _lib, ops
-from ..export import _script_unsupported
+from .._torch_private import script_unsupported_because as _script_unsupported
 from ..ops import ms_deform_attn
 
 __all__ = ["ms_deform_attn_forward", "ms_deform_attn_backward"]

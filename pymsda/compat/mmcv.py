@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..export import _not_scriptable
+from .._torch_private import not_scriptable as _not_scriptable
 from ..ops import ms_deform_attn
 from ..reference import ms_deform_attn_pytorch
 from . import _switch

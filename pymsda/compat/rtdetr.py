@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
 
-from ..export import _not_scriptable
+from .._torch_private import not_scriptable as _not_scriptable
 from ..ops import ms_deform_attn
 
 __all__ = ["deformable_attention_core_func", "deformable_attention_core_func_v2",

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import nn
 
-from ..export import _not_scriptable
+from .._torch_private import not_scriptable as _not_scriptable
 from ..ops import MSDeformAttnFunction, ms_deform_attn
 from . import _switch
 from .rtdetr import deformable_attention_core_func_v2
