@@ -16,6 +16,7 @@ from ._buffers import pool as _cpu_pool
 from ._checks import _DTYPE_CODE
 from ._lib import check as _check, current_stream as _current_stream, lib
 from ._torch_private import direct_apply, functorch_active as _functorch_active
+from .reference import ms_deform_attn_pytorch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +202,6 @@ def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     dtype."""
     if value.is_cuda:
         _slow_path(value.device)
-    from .reference import ms_deform_attn_pytorch
     out = ms_deform_attn_pytorch(
         value if value.dtype is loc.dtype else value.to(loc.dtype), spatial_shapes, loc, attn,
         num_points_list=num_points_list,

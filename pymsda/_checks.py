@@ -1,9 +1,6 @@
 """Argument checks of the MSDA op: each names the argument, the expected shape, dtype or device,
 and what was given. The fast checks answer the common call in one pass and fall back to the
-named ones, which say what is wrong. Also the option flags, the tracing test, and the cache that
-the level tables and point-count tables use."""
-import ctypes
-
+named ones, which say what is wrong."""
 import torch
 
 from . import _lib
@@ -87,12 +84,6 @@ def _aligned_contiguous(t):
     if t.data_ptr() % t.element_size():
         t = t.clone()
     return t
-
-
-def _validating(validate):
-    """validate, or PYMSDA_VALIDATE=1 (read on every call, so setting it later counts). Only
-    asked where it changes something (tables on the GPU)."""
-    return validate or _lib.getenv(b"PYMSDA_VALIDATE") == b"1"
 
 
 def _check_tensors(value, sampling_locations, attention_weights, per_level):
@@ -180,41 +171,6 @@ def _point_counts(num_points_list, L):
         raise ValueError(f"num_points_list entries must be >= 0 with a positive sum, got "
                          f"{num_points_list!r}")
     return counts
-
-
-class BoundedCache(dict):
-    """A dict that empties itself rather than grow past `limit` entries. Its keys are the level
-    shapes and point counts a model uses, a handful; a full cache means they keep changing,
-    and starting over is cheaper than tracking which entries are in use."""
-
-    __slots__ = ("limit",)
-
-    def __init__(self, limit):
-        super().__init__()
-        self.limit = limit
-
-    def put(self, key, value):
-        if len(self) >= self.limit:
-            self.clear()
-        self[key] = value
-
-
-_level_points_cache = BoundedCache(256)  # (num_points_list as a tuple, L) -> (total, ctypes table)
-
-
-def _level_points(num_points_list, L):
-    """num_points_list checked against L, as (total points, ctypes int64 array, kept alive)."""
-    try:
-        key = (tuple(num_points_list), L)
-        hit = _level_points_cache.get(key)
-    except TypeError:
-        key = hit = None
-    if hit is None:
-        counts = _point_counts(num_points_list, L)
-        hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
-        if key is not None:
-            _level_points_cache.put(key, hit)
-    return hit
 
 
 def _check_levels(L_tables, L, P, num_points_list, sampling_locations, counts_total=None):
@@ -312,28 +268,3 @@ def _check_grad_output(grad_output, B, Q, H, C, device):
             or not grad_output.is_floating_point()):
         raise ValueError(f"grad_output must be a float tensor of shape {(B, Q, H * C)} on "
                          f"{device}, got {_describe(grad_output)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# where the call comes from, and its options
-
-from ._torch_private import dispatch_mode_depth as _dispatch_modes  # noqa: E402
-from ._torch_private import is_compiling as _is_compiling  # noqa: E402
-from ._torch_private import traced as _traced, tracing as _tracing  # noqa: E402
-
-
-_SAMPLING_FLAGS = {"bilinear": 0, "nearest": _lib.FLAG_NEAREST}
-_deterministic_algorithms = torch.are_deterministic_algorithms_enabled
-_Tensor = torch.Tensor
-
-
-def _flags(sampling, deterministic):
-    try:
-        flags = _SAMPLING_FLAGS[sampling]
-    except (KeyError, TypeError):
-        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}") from None
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    if deterministic:
-        flags |= _lib.FLAG_DETERMINISTIC
-    return flags

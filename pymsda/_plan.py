@@ -5,10 +5,12 @@ layout, level tables seen before) is answered in one pass at the top; anything e
 the checks, which name what is wrong, and to the preparation of what is new."""
 import torch
 
+from . import _lib
 from ._checks import (_DTYPE_CODE, _MAX_ELEMENTS, _aligned_contiguous, _check_levels,
-                      _check_min_sizes, _check_sizes, _check_tensors, _elements_fit, _level_points)
+                      _check_min_sizes, _check_sizes, _check_tensors, _elements_fit)
 from ._lib import served_cuda as _served_cuda
-from ._tables import _list_levels_cache, _prepare_levels, _remembered_tensor_levels
+from ._tables import (_level_points, _list_levels_cache, _prepare_levels,
+                      _remembered_tensor_levels)
 
 
 def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
@@ -120,3 +122,20 @@ def _contiguous(value, levels, loc, attn, sizes, lp):
         value, loc, attn = _aligned_contiguous(value), _aligned_contiguous(loc), \
             _aligned_contiguous(attn)
     return value, levels, loc, attn, sizes, lp
+
+
+_SAMPLING_FLAGS = {"bilinear": 0, "nearest": _lib.FLAG_NEAREST}
+_deterministic_algorithms = torch.are_deterministic_algorithms_enabled
+
+
+def _flags(sampling, deterministic):
+    """The msda_flags (c/msda.h) of a call's options; ValueError naming a bad sampling."""
+    try:
+        flags = _SAMPLING_FLAGS[sampling]
+    except (KeyError, TypeError):
+        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}") from None
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic:
+        flags |= _lib.FLAG_DETERMINISTIC
+    return flags

@@ -1,13 +1,61 @@
 """spatial_shapes and level_start_index as the C library takes them: one device, one index dtype,
 checked against value where their numbers can be read without a device synchronisation, and
-cached, so a model's calls with the same shapes cost a dictionary lookup."""
+cached, so a model's calls with the same shapes cost a dictionary lookup. Also the per-level
+point counts (num_points_list) as the ctypes table the library takes, cached the same way."""
+import ctypes
+
 import torch
 
-from ._checks import (_INDEX_CODE, BoundedCache, _Tensor, _aligned_contiguous,
-                      _check_pairs, _check_shapes_tensor, _check_start_index_tensor, _check_positive,
-                      _tracing, _validating)
+from ._checks import (_INDEX_CODE, _aligned_contiguous, _check_pairs, _check_positive,
+                      _check_shapes_tensor, _check_start_index_tensor, _point_counts)
 from ._lib import check as _check, current_stream as _current_stream, lib, \
     serves_cuda as _serves_cuda
+from ._lib import getenv as _getenv
+from ._torch_private import tracing as _tracing
+
+_Tensor = torch.Tensor
+
+
+class BoundedCache(dict):
+    """A dict that empties itself rather than grow past `limit` entries. Its keys are the level
+    shapes and point counts a model uses, a handful; a full cache means they keep changing,
+    and starting over is cheaper than tracking which entries are in use."""
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+
+
+_level_points_cache = BoundedCache(256)  # (num_points_list as a tuple, L) -> (total, ctypes table)
+
+
+def _level_points(num_points_list, L):
+    """num_points_list checked against L, as (total points, ctypes int64 array, kept alive)."""
+    try:
+        key = (tuple(num_points_list), L)
+        hit = _level_points_cache.get(key)
+    except TypeError:
+        key = hit = None
+    if hit is None:
+        counts = _point_counts(num_points_list, L)
+        hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
+        if key is not None:
+            _level_points_cache.put(key, hit)
+    return hit
+
+
+def _validating(validate):
+    """validate, or PYMSDA_VALIDATE=1 (read on every call, so setting it later counts). Only
+    asked where it changes something (tables on the GPU)."""
+    return validate or _getenv(b"PYMSDA_VALIDATE") == b"1"
+
 
 # ---------------------------------------------------------------------------------------------
 # shape tables

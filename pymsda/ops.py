@@ -10,14 +10,18 @@ recorded. The dispatcher costs several microseconds a call, so eager calls do no
 """
 from typing import Any, Optional
 
+import torch
+
 from . import _lib
 from ._autograd import _MetaMSDA, _reference, _run
 from ._lib import serves as _library_serves
-from ._checks import _Tensor, _deterministic_algorithms, _dispatch_modes, _flags, _is_compiling, \
-    _traced
-from .export import _dynamo_traced, _jit_traced, _tracing_state
+from ._torch_private import dispatch_mode_depth as _dispatch_modes, \
+    is_compiling as _is_compiling, traced as _traced
+from ._trace import _dynamo_traced, _jit_traced, _tracing_state
 from ._library import HAS_TORCH_LIBRARY_OPS
-from ._plan import _common, _prepare, _softmax_points
+from ._plan import _common, _deterministic_algorithms, _flags, _prepare, _softmax_points
+
+_Tensor = torch.Tensor
 
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
 

@@ -21,7 +21,9 @@ import collections
 import torch
 
 from . import _lib
-from ._checks import _DTYPE_CODE, _flags, _level_points
+from ._checks import _DTYPE_CODE
+from ._plan import _flags
+from ._tables import _level_points
 
 Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 
