@@ -16,7 +16,7 @@ import torch
 
 from . import _lib, cuda_archs, has_cuda, library_path
 from .ops import ms_deform_attn
-from .reference import ms_deform_attn_pytorch
+from .reference import ms_deform_attn_pytorch, rel_l2
 
 
 def _devices():
@@ -148,10 +148,6 @@ def info():
     return coverage
 
 
-def _rel(a, b):
-    return ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
 def check(device):
     """Forward and gradients on random inputs against the float64 reference."""
     g = torch.Generator().manual_seed(0)
@@ -171,7 +167,7 @@ def check(device):
     inputs = [t.to(device, torch.float32).requires_grad_() for t in (value, loc, attn)]
     out = ms_deform_attn(inputs[0], shapes, None, inputs[1], inputs[2])
     grads = torch.autograd.grad(out, inputs, grad.to(device, torch.float32))
-    errors = [_rel(out.cpu(), ref)] + [_rel(a.cpu(), b) for a, b in zip(grads, ref_grads)]
+    errors = [rel_l2(out.cpu(), ref)] + [rel_l2(a.cpu(), b) for a, b in zip(grads, ref_grads)]
     ok = errors[0] < 1e-6 and all(e < 1e-4 for e in errors[1:])
     names = ("forward", "grad_value", "grad_loc", "grad_attn")
     detail = ", ".join(f"{n} {e:.1e}" for n, e in zip(names, errors))

@@ -90,3 +90,9 @@ def ms_deform_attn_pytorch(value, spatial_shapes, sampling_locations, attention_
 
 script_unsupported_because(ms_deform_attn_pytorch, "the pure-PyTorch MSDA reads the level sizes on the "
                     "host, as mmcv's and Deformable DETR's do")
+
+
+def rel_l2(actual, expected):
+    """||actual - expected|| / ||expected|| in float64 (expected usually a float64 reference):
+    the error measure of the self-check and the bench."""
+    return ((actual.double() - expected).norm() / expected.norm().clamp_min(1e-300)).item()

@@ -1,6 +1,6 @@
 """ONNX Runtime time of the exported graphs: pymsda's decomposition (both forms) against the
 graph torch.onnx.export writes for the pure-PyTorch reference (pymsda.reference), on the CPU
-shapes of pymsda/bench_shapes.json. Interleaved runs, medians and 10th-90th percentiles.
+shapes of pymsda/bench/shapes.json. Interleaved runs, medians and 10th-90th percentiles.
 
     python tests/bench_export.py [--reps 20] [--threads 2] [--opset 17]
 """
@@ -51,7 +51,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--opset", type=int, default=17)
     args = parser.parse_args()
-    with open(os.path.join(os.path.dirname(pymsda.__file__), "bench_shapes.json")) as f:
+    with open(os.path.join(os.path.dirname(pymsda.__file__), "bench", "shapes.json")) as f:
         shapes = json.load(f)["cpu"]
     forms = ["reference", "grid_sample", "gather"]
     print(f"onnxruntime {ort.__version__}, torch {torch.__version__}, {args.threads} threads, "

@@ -1,7 +1,7 @@
-"""tests/test_bench.py: the benchmark machinery (pymsda/bench.py) on the CPU, on tiny shapes.
+"""tests/test_bench.py: the benchmark machinery (pymsda/bench/) on the CPU, on tiny shapes.
 
 Checks what the numbers mean, never how fast anything is: the rows and their keys, the precision
-columns, the input distributions of bench_shapes.json "locations", the JSON output, the CLI.
+columns, the input distributions of shapes.json "locations", the JSON output, the CLI.
 """
 import json
 import math
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import bench, bench_cpu
+from pymsda.bench import inputs as bench_inputs, op, report, timing
 from conftest import grid_sample_supports, requires_torch_feature
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,25 +33,25 @@ ROW_KEYS = {"shape", "dtype", "dist", "pass", "pymsda_ms", "pymsda_p10_p90_ms", 
 def one_cpu_round():
     """The CPU rows in one interleaved round of one call each (the tests check what the rows
     mean; the bench's own 30 s and 20 ms rounds are for timing)."""
-    saved = bench_cpu.CPU_MIN_SECONDS, bench_cpu.CPU_ROUND_MS
-    bench_cpu.CPU_MIN_SECONDS, bench_cpu.CPU_ROUND_MS = 0.0, 0.0
+    saved = timing.CPU_MIN_SECONDS, timing.CPU_ROUND_MS
+    timing.CPU_MIN_SECONDS, timing.CPU_ROUND_MS = 0.0, 0.0
     yield
-    bench_cpu.CPU_MIN_SECONDS, bench_cpu.CPU_ROUND_MS = saved
+    timing.CPU_MIN_SECONDS, timing.CPU_ROUND_MS = saved
 
 
 @pytest.fixture(scope="module")
 def result():
-    return bench.run(TINY_SHAPES, device="cpu", dtypes=["f32", "bf16"], reps=1, sets=2,
+    return op.run(TINY_SHAPES, device="cpu", dtypes=["f32", "bf16"], reps=1, sets=2,
                      overhead=True, progress=False)
 
 
 @needs_bf16_reference
 def test_run_gives_one_row_per_shape_dtype_and_pass_with_the_expected_keys(result):
     combos = [(r["shape"], r["dtype"], r["pass"]) for r in result["rows"]]
-    assert combos == [(s, d, p) for s in TINY_SHAPES for d in ("f32", "bf16") for p in bench.PASSES]
+    assert combos == [(s, d, p) for s in TINY_SHAPES for d in ("f32", "bf16") for p in report.PASSES]
     for row in result["rows"]:
         assert set(row) == ROW_KEYS
-        assert set(bench.ERROR_KEYS) <= set(row["errors"])
+        assert set(report.ERROR_KEYS) <= set(row["errors"])
         assert row["pymsda_ms"] > 0 and row["reference_ms"] > 0
         for who in ("pymsda", "reference"):  # the spread brackets the median
             low, high = row[who + "_p10_p90_ms"]
@@ -66,7 +66,7 @@ def test_run_reports_small_f32_errors_for_forward_and_gradients(result):
     for row in result["rows"]:
         errors = row["errors"]
         bound = 1e-5 if row["dtype"] == "f32" else 5e-2  # bf16: 8 bits of mantissa
-        for key in ("forward",) + bench.GRAD_KEYS:
+        for key in ("forward",) + report.GRAD_KEYS:
             assert errors[key] < bound, (row["shape"], row["dtype"], key, errors[key])
             # the reference's own error in the same dtype, beside pymsda's
             assert 0 <= errors["reference_" + key] < 10 * bound, (row["shape"], key)
@@ -75,17 +75,17 @@ def test_run_reports_small_f32_errors_for_forward_and_gradients(result):
 
 
 def test_no_reference_leaves_the_reference_columns_empty():
-    result = bench.run({"tiny_dec": TINY_SHAPES["tiny_dec"]}, device="cpu", dtypes=["f64"],
+    result = op.run({"tiny_dec": TINY_SHAPES["tiny_dec"]}, device="cpu", dtypes=["f64"],
                        passes=["fwd"], reps=1, sets=1, reference=False, progress=False)
     (row,) = result["rows"]
     assert row["reference_ms"] is None and row["speedup"] is None and row["reference_note"]
     assert row["errors"]["forward"] < 1e-12 and row["errors"]["reference_forward"] is None
-    assert "n/a" in bench.format_table(result)
+    assert "n/a" in report.format_table(result)
 
 
 def test_realistic_encoder_locations_minus_offsets_are_the_query_pixel_centres():
     spec = TINY_SHAPES["tiny_enc"]
-    inputs = bench.make_inputs(spec, torch.float64, noise=0.0)
+    inputs = bench_inputs.make_inputs(spec, torch.float64, noise=0.0)
     loc = inputs["sampling_locations"]
     B, Q, H, L, P, _ = loc.shape
     levels = spec["levels"]
@@ -107,9 +107,9 @@ def test_realistic_encoder_locations_minus_offsets_are_the_query_pixel_centres()
 
 def test_realistic_decoder_reference_points_lie_in_the_inner_box_and_noise_moves_them():
     spec = TINY_SHAPES["tiny_dec"]
-    quiet = bench.make_inputs(spec, torch.float64, noise=0.0, seed=3)["sampling_locations"]
-    noisy = bench.make_inputs(spec, torch.float64, noise=1.0, seed=3)["sampling_locations"]
-    offsets = bench.head_offsets(spec["H"], 2, spec["P"]) / torch.tensor(
+    quiet = bench_inputs.make_inputs(spec, torch.float64, noise=0.0, seed=3)["sampling_locations"]
+    noisy = bench_inputs.make_inputs(spec, torch.float64, noise=1.0, seed=3)["sampling_locations"]
+    offsets = bench_inputs.head_offsets(spec["H"], 2, spec["P"]) / torch.tensor(
         [[w, h] for h, w in spec["levels"]], dtype=torch.float64)[:, None, :]
     reference = quiet - offsets
     assert torch.allclose(reference, reference[:, :, :1, :1, :1].expand_as(reference))
@@ -119,7 +119,7 @@ def test_realistic_decoder_reference_points_lie_in_the_inner_box_and_noise_moves
 
 @pytest.mark.parametrize("dist", ["realistic", "uniform"])
 def test_attention_weights_sum_to_one_over_levels_and_points(dist):
-    inputs = bench.make_inputs(TINY_SHAPES["tiny_dec"], torch.float64, dist=dist)
+    inputs = bench_inputs.make_inputs(TINY_SHAPES["tiny_dec"], torch.float64, dist=dist)
     sums = inputs["attention_weights"].sum((-2, -1))
     torch.testing.assert_close(sums, torch.ones_like(sums))
     if dist == "uniform":
@@ -129,11 +129,11 @@ def test_attention_weights_sum_to_one_over_levels_and_points(dist):
 
 def test_input_sets_are_seeded_and_cast_to_the_dtype():
     spec = TINY_SHAPES["tiny_enc"]
-    a = bench.make_inputs(spec, torch.bfloat16, seed=1)
+    a = bench_inputs.make_inputs(spec, torch.bfloat16, seed=1)
     assert all(a[k].dtype == torch.bfloat16 for k in ("value", "sampling_locations",
                                                       "attention_weights", "grad_output"))
-    assert torch.equal(a["value"], bench.make_inputs(spec, torch.bfloat16, seed=1)["value"])
-    assert not torch.equal(a["value"], bench.make_inputs(spec, torch.bfloat16, seed=2)["value"])
+    assert torch.equal(a["value"], bench_inputs.make_inputs(spec, torch.bfloat16, seed=1)["value"])
+    assert not torch.equal(a["value"], bench_inputs.make_inputs(spec, torch.bfloat16, seed=2)["value"])
 
 
 def test_overhead_reports_microseconds_per_call(result):
@@ -142,26 +142,26 @@ def test_overhead_reports_microseconds_per_call(result):
                 "pymsda_tables_requires_grad_us", "reference_plain_us",
                 "reference_requires_grad_us", "torch_add_us"):
         assert overhead[key] > 0
-    assert "pymsda requires_grad" in bench.format_table(result)
-    assert "pymsda plain (tensor tables)" in bench.format_table(result)
-    assert "torch value.add(1)" in bench.format_table(result)
-    assert "- torch value.add(1): " in bench.format_markdown(result)
+    assert "pymsda requires_grad" in report.format_table(result)
+    assert "pymsda plain (tensor tables)" in report.format_table(result)
+    assert "torch value.add(1)" in report.format_table(result)
+    assert "- torch value.add(1): " in report.format_markdown(result)
 
 
 def test_json_file_is_strict_json_with_metadata_and_rows(result, tmp_path):
     result = dict(result, rows=[dict(r, errors=dict(r["errors"], forward=float("nan")))
                                 for r in result["rows"]])
     path = tmp_path / "bench.json"
-    bench.write_json(result, path)
+    report.write_json(result, path)
     loaded = json.loads(path.read_text())
     assert loaded["metadata"]["torch"] == torch.__version__
     assert len(loaded["rows"]) == len(result["rows"]) and loaded["rows"][0]["errors"]["forward"] == "nan"
 
 
 def test_shapes_file_ships_in_the_package_and_names_both_groups(tmp_path):
-    shapes = bench.load_shapes()
+    shapes = bench_inputs.load_shapes()
     assert {"ddetr_enc", "ddetr_dec"} <= set(shapes["gpu"]) and "small_enc" in shapes["cpu"]
-    assert set(shapes["locations"]) == set(bench.DISTRIBUTIONS)
+    assert set(shapes["locations"]) == set(bench_inputs.DISTRIBUTIONS)
     sys.path.insert(0, os.path.join(REPO, "pymsda"))
     try:
         import _build_backend
@@ -170,7 +170,7 @@ def test_shapes_file_ships_in_the_package_and_names_both_groups(tmp_path):
     if not os.path.isfile(os.path.join(REPO, "build", "libpymsda.so")):
         pytest.skip("no build/libpymsda.so to put in a wheel")
     name = _build_backend.build_wheel(str(tmp_path))
-    assert "pymsda/bench_shapes.json" in zipfile.ZipFile(tmp_path / name).namelist()
+    assert "pymsda/bench/shapes.json" in zipfile.ZipFile(tmp_path / name).namelist()
 
 
 def run_cli(arguments, cwd):
@@ -190,7 +190,7 @@ def test_cli_bench_on_cpu_exits_0_and_writes_json(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "small_enc" in done.stdout and "pymsda ms" in done.stdout
     rows = json.loads(path.read_text())["rows"]
-    assert [r["pass"] for r in rows] == list(bench.PASSES)
+    assert [r["pass"] for r in rows] == list(report.PASSES)
 
 
 def test_cli_bench_rejects_an_unknown_shape(tmp_path):
@@ -201,14 +201,14 @@ def test_cli_bench_rejects_an_unknown_shape(tmp_path):
 def test_plot_writes_a_png(result, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "speedups.png"
-    bench.plot(result, path)
+    report.plot(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_stops_before_running_with_a_clear_message(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(SystemExit) as stop:
-        bench.main(["--device", "cpu", "--plot", "never_written.png"])
+        op.main(["--device", "cpu", "--plot", "never_written.png"])
     assert stop.value.code == 2 and "matplotlib" in capsys.readouterr().err
 
 
@@ -216,14 +216,14 @@ def test_a_failing_reference_gives_na_with_the_reason_and_the_run_goes_on(monkey
     def out_of_memory(*args):
         raise RuntimeError("CUDA out of memory. Tried to allocate 1 TiB")
 
-    monkeypatch.setattr(bench, "ms_deform_attn_pytorch", out_of_memory)
-    result = bench.run(TINY_SHAPES, device="cpu", dtypes=["f32"], passes=["fwd", "bwd"], reps=1,
-                       sets=1, progress=False)
+    monkeypatch.setattr(op, "ms_deform_attn_pytorch", out_of_memory)
+    result = op.run(TINY_SHAPES, device="cpu", dtypes=["f32"], passes=["fwd", "bwd"], reps=1,
+                    sets=1, progress=False)
     assert len(result["rows"]) == 4
     for row in result["rows"]:
         assert row["pymsda_ms"] > 0 and row["reference_ms"] is None and row["speedup"] is None
         assert row["reference_note"] == "out of memory" and row["errors"]["forward"] is None
-    assert "n/a (out of memory)" in bench.format_table(result)
+    assert "n/a (out of memory)" in report.format_table(result)
 
 
 def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction():
@@ -231,13 +231,13 @@ def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction():
     # median spans the whole run; fake calls record the order.
     ran = []
 
-    def fake_pass_calls(op, input_sets, pass_name):
-        name = "reference" if op is bench.ms_deform_attn_pytorch else "pymsda"
+    def fake_pass_calls(implementation, input_sets, pass_name):
+        name = "reference" if implementation is op.ms_deform_attn_pytorch else "pymsda"
         return [lambda key=(pass_name, name): ran.append(key) for _ in input_sets]
 
     jobs = [({"pass": p}, [None, None]) for p in ("fwd", "bwd")]
-    bench_cpu.time_rows(jobs, reps=3, warmup=0, make_calls=fake_pass_calls, op=bench._pymsda,
-                        reference_op=bench.ms_deform_attn_pytorch)
+    timing.time_rows(jobs, reps=3, warmup=0, make_calls=fake_pass_calls, op=op._pymsda,
+                     reference_op=op.ms_deform_attn_pytorch)
     entries = [("fwd", "pymsda"), ("fwd", "reference"), ("bwd", "pymsda"), ("bwd", "reference")]
     sizing = [e for e in entries for _ in range(2)]  # one untimed pass of each entry's two calls
     forward = [e for e in entries for _ in range(2)]
@@ -250,16 +250,16 @@ def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction():
 def test_queue_ran_dry_flags_idle_gaps_between_timed_calls():
     # GPU milliseconds between one call's end event and the next call's start event: a few
     # microseconds while the host keeps ahead of the GPU, more where the queue ran dry.
-    assert not bench.queue_ran_dry([0.002] * 89)
-    assert not bench.queue_ran_dry([0.002] * 81 + [0.3] * 8)  # 8 of 89: under a tenth
-    assert bench.queue_ran_dry([0.002] * 79 + [0.3] * 10)
-    assert bench.queue_ran_dry([1.0] * 20)
-    assert not bench.queue_ran_dry([])
+    assert not timing.queue_ran_dry([0.002] * 89)
+    assert not timing.queue_ran_dry([0.002] * 81 + [0.3] * 8)  # 8 of 89: under a tenth
+    assert timing.queue_ran_dry([0.002] * 79 + [0.3] * 10)
+    assert timing.queue_ran_dry([1.0] * 20)
+    assert not timing.queue_ran_dry([])
 
 
 def test_cli_bench_rejects_negative_seconds(capsys):
     with pytest.raises(SystemExit) as stop:
-        bench.main(["--device", "cpu", "--seconds", "-1"])
+        op.main(["--device", "cpu", "--seconds", "-1"])
     assert stop.value.code == 2 and "--seconds" in capsys.readouterr().err
 
 
@@ -267,6 +267,6 @@ def test_drift_line_says_whether_the_halves_of_the_run_agree():
     steady = {"rounds": 40, "seconds": 60.2, "halves_apart": {"a f32 fwd pymsda": 0.04}}
     drifted = {"rounds": 40, "seconds": 61.0, "halves_apart": {"a f32 fwd pymsda": 0.04,
                                                               "b f32 bwd reference": 0.31}}
-    assert "held steady" in bench_cpu.drift_line(steady) and "4%" in bench_cpu.drift_line(steady)
-    line = bench_cpu.drift_line(drifted)
+    assert "held steady" in timing.drift_line(steady) and "4%" in timing.drift_line(steady)
+    line = timing.drift_line(drifted)
     assert "31%" in line and "b f32 bwd reference" in line and "drifted" in line

@@ -1,4 +1,4 @@
-"""tests/test_bench_models.py: `python -m pymsda bench --models` (pymsda/bench_models.py) on the
+"""tests/test_bench_models.py: `python -m pymsda bench --models` (pymsda/bench/models.py) on the
 CPU at --size tiny (HF transformers models with one layer, small backbones, a 64x96 image).
 
 Checks the output's structure, that every pymsda variant called libpymsda and no own variant
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from pymsda import bench_models
+from pymsda.bench import models as bench_models
 from test_bench import run_cli
 
 ROW_KEYS = {"dtype", "path", "ms", "p10_p90_ms", "steps_timed", "peak_bytes",

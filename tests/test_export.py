@@ -290,11 +290,11 @@ def test_onnx_export_float16(generator, dynamo, points):
 
 @pytest.mark.parametrize("name", ["small_enc", "dec300", "ddetr_dec"])
 def test_onnx_runtime_matches_eager_on_benchmark_shapes(name):
-    """The CPU shapes of pymsda/bench_shapes.json, locations uniform in [-0.05, 1.05]: ONNX
+    """The CPU shapes of pymsda/bench/shapes.json, locations uniform in [-0.05, 1.05]: ONNX
     Runtime within 1e-5 (relative L2) of eager in float32."""
     import json
     import os
-    with open(os.path.join(os.path.dirname(pymsda.__file__), "bench_shapes.json")) as f:
+    with open(os.path.join(os.path.dirname(pymsda.__file__), "bench", "shapes.json")) as f:
         shape = json.load(f)["cpu"][name]
     levels = [tuple(level) for level in shape["levels"]]
     B, H, C, P = shape["B"], shape["H"], shape["C"], shape["P"]

@@ -42,16 +42,16 @@ import argparse
 import contextlib
 import gc
 import shlex
-import statistics
 import sys
 import time
 import warnings
 
 import torch
 
-from . import _autograd
-from .bench import _comma_list, checked_device, default_device, environment
-from .bench_report import write_json
+from .. import _autograd
+from .options import checked_device, comma_list, default_device
+from .report import environment, write_json
+from .timing import percentiles
 
 MODEL_NAMES = ("hf_ddetr", "hf_rtdetr", "ultralytics_rtdetr")
 PATHS = ("own", "pymsda")
@@ -91,7 +91,7 @@ def _transformers():
 def _kernel_layer_switch(model):
     """replace_kernel_layers(model), keeping transformers' layers so that either set can be put
     in place: (switch(path), a description of what was switched)."""
-    from .compat import transformers as compat
+    from ..compat import transformers as compat
     own = [(parent, name, child) for parent in list(model.modules())
            for name, child in parent.named_children() if compat._is_kernel_layer(child)]
     with warnings.catch_warnings(record=True) as caught:
@@ -146,7 +146,7 @@ def build_hf_rtdetr(layers, tiny):
 def build_ultralytics_rtdetr(layers, tiny):
     try:
         from ultralytics.nn.tasks import RTDETRDetectionModel
-        from .compat import ultralytics as compat
+        from ..compat import ultralytics as compat
     except Exception as error:  # not installed, or its torchvision built for another torch
         first_line = (str(error).splitlines() or [""])[0][:160]
         raise Skip(f"ultralytics cannot be imported ({type(error).__name__}: {first_line})")
@@ -200,14 +200,6 @@ def _free(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _percentile(values, q):
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def bench_model(name, device, dtypes, batch, image, layers, tiny, rounds, steps, warmup, deadline,
@@ -312,8 +304,7 @@ def _row(dtype_name, path, ms, peak, calls, error):
            "steps_timed": len(ms), "peak_bytes": peak, "library_calls_per_step": calls,
            "switch_ok": None, "speedup": None, "error": error}
     if ms:
-        row["ms"] = statistics.median(ms)
-        row["p10_p90_ms"] = [_percentile(ms, 0.1), _percentile(ms, 0.9)]
+        row["ms"], *row["p10_p90_ms"] = percentiles(ms)
     if calls is not None:  # its first step ran
         row["switch_ok"] = (calls["forward"] > 0) == (path == "pymsda")
     return row
@@ -414,11 +405,11 @@ def main(argv):
     parser = argparse.ArgumentParser(prog="python -m pymsda bench --models", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="?", const=",".join(MODEL_NAMES),
-                        type=_comma_list(MODEL_NAMES), metavar="NAME[,NAME..]",
+                        type=comma_list(MODEL_NAMES), metavar="NAME[,NAME..]",
                         help=f"of {', '.join(MODEL_NAMES)} (default: all)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when a GPU and the library's CUDA kernels are there")
-    parser.add_argument("--dtype", type=_comma_list(DTYPE_NAMES),
+    parser.add_argument("--dtype", type=comma_list(DTYPE_NAMES),
                         help="f32 and/or bf16 (autocast) (default: f32,bf16 on cuda, f32 on cpu)")
     parser.add_argument("--size", choices=SIZE_NAMES,
                         help="full: the published sizes (default on cuda); small: 1 x 256x320, "

@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from . import _lib, library_path
+from .. import _lib, library_path
 
 PASSES = ("fwd", "bwd", "fwdbwd")
 ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
