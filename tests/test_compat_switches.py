@@ -1,0 +1,76 @@
+"""tests/test_compat_switches.py: pymsda.compat's switches (every install()) and their undos,
+against stand-ins that reproduce each mechanism: a project whose own import raises something
+other than ImportError (as PyPI's torchvision does beside a CPU torch build: RuntimeError:
+operator torchvision::nms does not exist). The real projects: tests/test_clients*.py.
+"""
+import importlib
+import sys
+
+import pytest
+
+from pymsda.compat import _switch, rfdetr, transformers, ultralytics
+
+BROKEN_IMPORT = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
+
+
+def stand_in_package(tmp_path, monkeypatch, name, init_code):
+    """Puts a top-level package `name` whose __init__ runs init_code first on sys.path, for this
+    test only: the modules of any package of that name already imported are set aside."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "__init__.py").write_text(init_code)
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        monkeypatch.delitem(sys.modules, key)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+# (the compat module, the package its install() imports)
+INSTALLS = [(ultralytics, "ultralytics"), (rfdetr, "rfdetr"), (transformers, "transformers")]
+
+
+@pytest.mark.parametrize("compat, package", INSTALLS, ids=[p for _, p in INSTALLS])
+def test_install_warns_naming_the_projects_import_failure(tmp_path, monkeypatch, compat,
+                                                          package):
+    """The project's import raises RuntimeError: install() warns with that error and returns
+    [], as when the project is not installed; uninstall() then has nothing to do."""
+    stand_in_package(tmp_path, monkeypatch, package, BROKEN_IMPORT)
+    with pytest.raises(RuntimeError):
+        importlib.import_module(package)  # the stand-in reproduces the failure
+    with pytest.warns(UserWarning, match=r"RuntimeError: operator torchvision::nms does not "
+                                         r"exist") as warned:
+        assert compat.install() == []
+    assert any(package in str(w.message) for w in warned)
+    assert compat.uninstall() == []
+
+
+def test_install_switches_what_imports_and_names_what_fails(tmp_path, monkeypatch):
+    """One module of a project imports and holds the function, another's import raises
+    RuntimeError: the first is switched and the warning names the second; uninstall() restores
+    the first."""
+    stand_in_package(tmp_path, monkeypatch, "msda_stand_in_client", "")
+    (tmp_path / "msda_stand_in_client" / "works.py").write_text(
+        "def attention(value):\n    return 'own'\n")
+    (tmp_path / "msda_stand_in_client" / "broken.py").write_text(BROKEN_IMPORT)
+    (tmp_path / "msda_stand_in_client" / "absent_model.py").write_text(
+        "import msda_no_such_dependency\n")
+    targets = [("msda_stand_in_client.works", "attention"),
+               ("msda_stand_in_client.broken", "attention"),
+               ("msda_stand_in_client.absent_model", "attention")]
+
+    def make(original, module):
+        return lambda value: "pymsda"
+    try:
+        with pytest.warns(UserWarning) as warned:
+            assert _switch.switch(targets, make, "stand-in") == [
+                "msda_stand_in_client.works.attention"]
+        works = importlib.import_module("msda_stand_in_client.works")
+        assert works.attention(None) == "pymsda"
+        message = " ".join(str(w.message) for w in warned)
+        assert "msda_stand_in_client.broken: RuntimeError: operator torchvision::nms" in message
+        assert "absent_model" not in message  # an ImportError: a model this version lacks
+    finally:
+        assert _switch.restore(targets) == ["msda_stand_in_client.works.attention"]
+        for key in [k for k in sys.modules if k.startswith("msda_stand_in_client")]:
+            del sys.modules[key]
+    assert works.attention(None) == "own"
+
