@@ -681,7 +681,7 @@ def test_compat_entry_points_are_exported():
     expected = {
         deformable_detr: {"MSDeformAttnFunction", "ms_deform_attn_core_pytorch", "MSDeformAttn"},
         mmcv: {"MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch",
-               "MultiScaleDeformableAttention"},
+               "MultiScaleDeformableAttention", "install", "uninstall"},
         transformers: {"MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
                        "replace_kernel_layers", "install", "uninstall"},
         rtdetr: {"deformable_attention_core_func", "deformable_attention_core_func_v2",
