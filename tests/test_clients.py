@@ -61,9 +61,11 @@ def test_transformers_rtdetr_v2_trains_the_same_after_install(library_calls, dty
 @DTYPES
 def test_transformers_kernel_layer_of_models_built_after_install(library_calls, dtype):
     """RT-DETR (v1) builds the MultiScaleDeformableAttention kernel layer: a model built after
-    install() holds pymsda's; one built before keeps its own until replace_kernel_layers."""
+    install() holds pymsda's; one built before keeps its own until replace_kernel_layers. After
+    uninstall() the layers built while installed (a copy's too) are transformers' again."""
     transformers = client("transformers")
     from pymsda.compat import transformers as compat
+    from transformers.models.rt_detr import modeling_rt_detr
     config = rtdetr_config(transformers, "RTDetrConfig")
     torch.manual_seed(0)
     model = transformers.RTDetrForObjectDetection(config)
@@ -76,9 +78,10 @@ def test_transformers_kernel_layer_of_models_built_after_install(library_calls, 
         torch.manual_seed(0)
         built_after = transformers.RTDetrForObjectDetection(config).to(dtype)
         built_after.load_state_dict(model.state_dict())
-        layers = [m for m in built_after.modules()
+        copied = copy.deepcopy(built_after)
+        layers = [m for built in (built_after, copied) for m in built.modules()
                   if type(m).__name__ == "MultiScaleDeformableAttention"]
-        assert len(layers) == 2
+        assert len(layers) == 4
         assert all(isinstance(m, compat.MultiScaleDeformableAttention) for m in layers)
         assert not any(isinstance(m, compat.MultiScaleDeformableAttention)
                        for m in model.modules())
@@ -89,6 +92,10 @@ def test_transformers_kernel_layer_of_models_built_after_install(library_calls, 
     assert_same_step(ours, own, truth, dtype)
     assert not any(isinstance(m, compat.MultiScaleDeformableAttention)
                    for m in transformers.RTDetrForObjectDetection(config).modules())
+    assert all(type(m) is modeling_rt_detr.MultiScaleDeformableAttention for m in layers)
+    again = train_step(copied, detection_loss)
+    assert library_calls["forward"] == 2  # transformers' own code again
+    assert_same_step(again, own, truth, dtype)
 
 
 def mask2former_pixel_decoder():

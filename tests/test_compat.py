@@ -683,7 +683,7 @@ def test_compat_entry_points_are_exported():
         mmcv: {"MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch",
                "MultiScaleDeformableAttention", "install", "uninstall"},
         transformers: {"MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
-                       "replace_kernel_layers", "install", "uninstall"},
+                       "replace_kernel_layers", "restore_kernel_layers", "install", "uninstall"},
         rtdetr: {"deformable_attention_core_func", "deformable_attention_core_func_v2",
                  "MSDeformableAttention"},
         paddle: {"ms_deformable_attn", "deformable_attention_core_func"},

@@ -3,10 +3,13 @@ against stand-ins that reproduce each mechanism: a project whose own import rais
 other than ImportError (as PyPI's torchvision does beside a CPU torch build: RuntimeError:
 operator torchvision::nms does not exist). The real projects: tests/test_clients*.py.
 """
+import copy
 import importlib
 import sys
+import types
 
 import pytest
+import torch
 
 from pymsda.compat import _switch, mmcv, rfdetr, transformers, ultralytics
 
@@ -78,3 +81,52 @@ def test_install_switches_what_imports_and_names_what_fails(tmp_path, monkeypatc
             del sys.modules[key]
     assert works.attention(None) == "own"
 
+
+
+# ---- transformers' kernel layer ---------------------------------------------------------------
+
+def _own_forward(self, value, value_spatial_shapes, value_spatial_shapes_list,
+                 level_start_index, sampling_locations, attention_weights, im2col_step):
+    return "transformers' own"
+
+
+def kernel_layer_module():
+    """A stand-in for a transformers modeling module: its MultiScaleDeformableAttention kernel
+    layer (no weights; the kernel layer's forward)."""
+    module = types.ModuleType("msda_stand_in_modeling")
+    module.MultiScaleDeformableAttention = type(
+        "MultiScaleDeformableAttention", (torch.nn.Module,), {"forward": _own_forward})
+    return module
+
+
+def test_transformers_uninstall_turns_layers_built_while_installed_back(monkeypatch):
+    module = kernel_layer_module()
+    own_class = module.MultiScaleDeformableAttention
+    monkeypatch.setattr(transformers, "_TARGETS", [(module, "MultiScaleDeformableAttention")])
+    assert transformers.install() == ["msda_stand_in_modeling.MultiScaleDeformableAttention"]
+    try:
+        model = torch.nn.Sequential(module.MultiScaleDeformableAttention()).eval()
+        copied = copy.deepcopy(model)
+        layers = [model[0], copied[0]]
+        assert all(isinstance(m, transformers.MultiScaleDeformableAttention) for m in layers)
+    finally:
+        assert transformers.uninstall() == [
+            "msda_stand_in_modeling.MultiScaleDeformableAttention"]
+    assert module.MultiScaleDeformableAttention is own_class
+    assert all(type(m) is own_class and not m.training for m in layers)
+    assert model[0](*[None] * 7) == "transformers' own"
+
+
+def test_restore_kernel_layers_puts_back_the_layers_replaced():
+    module = kernel_layer_module()
+    model = torch.nn.ModuleDict({"a": module.MultiScaleDeformableAttention(),
+                                 "b": torch.nn.Sequential(module.MultiScaleDeformableAttention(),
+                                                          torch.nn.Linear(2, 2))})
+    own = [model["a"], model["b"][0]]
+    assert transformers.replace_kernel_layers(model) == 2
+    assert isinstance(model["a"], transformers.MultiScaleDeformableAttention)
+    model.eval()
+    assert transformers.restore_kernel_layers(model) == 2
+    assert model["a"] is own[0] and model["b"][0] is own[1]
+    assert not any(m.training for m in own)
+    assert transformers.restore_kernel_layers(model) == 0
