@@ -148,6 +148,7 @@ def installed_extension(monkeypatch):
     monkeypatch.delitem(sys.modules, "MultiScaleDeformableAttention", raising=False)
     module = pymsda.compat.install()
     yield module
+    pymsda.compat.uninstall()
     monkeypatch.delitem(sys.modules, "MultiScaleDeformableAttention", raising=False)
 
 

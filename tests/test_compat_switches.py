@@ -1,7 +1,9 @@
 """tests/test_compat_switches.py: pymsda.compat's switches (every install()) and their undos,
 against stand-ins that reproduce each mechanism: a project whose own import raises something
 other than ImportError (as PyPI's torchvision does beside a CPU torch build: RuntimeError:
-operator torchvision::nms does not exist). The real projects: tests/test_clients*.py.
+operator torchvision::nms does not exist), a transformers modeling module's kernel layer, and
+Deformable DETR's compiled extension with the code that imports it. The real projects:
+tests/test_clients*.py.
 """
 import copy
 import importlib
@@ -11,6 +13,7 @@ import types
 import pytest
 import torch
 
+import pymsda.compat
 from pymsda.compat import _switch, mmcv, rfdetr, transformers, ultralytics
 
 BROKEN_IMPORT = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
@@ -130,3 +133,59 @@ def test_restore_kernel_layers_puts_back_the_layers_replaced():
     assert model["a"] is own[0] and model["b"][0] is own[1]
     assert not any(m.training for m in own)
     assert transformers.restore_kernel_layers(model) == 0
+
+
+# ---- Deformable DETR's compiled extension (pymsda.compat.install) ----------------------------
+
+EXTENSION = "MultiScaleDeformableAttention"
+SYS_MODULES_ENTRY = "sys.modules['MultiScaleDeformableAttention']"
+
+
+@pytest.fixture
+def no_extension(monkeypatch):
+    """No module named MultiScaleDeformableAttention in sys.modules; the test's end puts back
+    what was there (or nothing), whatever the test leaves."""
+    monkeypatch.setitem(sys.modules, EXTENSION, None)
+    monkeypatch.delitem(sys.modules, EXTENSION)
+
+
+def importing_client(monkeypatch):
+    """A stand-in for Deformable DETR's ms_deform_attn_func.py, which imports the extension as
+    MSDA at its top."""
+    client = types.ModuleType("msda_stand_in_ms_deform_attn_func")
+    monkeypatch.setitem(sys.modules, client.__name__, client)
+    exec("import MultiScaleDeformableAttention as MSDA", client.__dict__)
+    return client
+
+
+def test_uninstall_puts_back_the_extension_imported_before(monkeypatch, no_extension):
+    compiled = types.ModuleType(EXTENSION)  # the compiled extension, imported before install()
+    sys.modules[EXTENSION] = compiled
+    assert pymsda.compat.install() is pymsda.compat.extension
+    client = importing_client(monkeypatch)
+    assert client.MSDA is pymsda.compat.extension
+    assert pymsda.compat.uninstall() == [SYS_MODULES_ENTRY,
+                                         "msda_stand_in_ms_deform_attn_func.MSDA"]
+    assert sys.modules[EXTENSION] is compiled and client.MSDA is compiled
+    assert pymsda.compat.uninstall() == []
+
+
+def test_uninstall_imports_the_extension_installed_but_not_imported(tmp_path, monkeypatch,
+                                                                    no_extension):
+    (tmp_path / (EXTENSION + ".py")).write_text("COMPILED_STAND_IN = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pymsda.compat.install()
+    client = importing_client(monkeypatch)
+    assert pymsda.compat.uninstall() == [SYS_MODULES_ENTRY,
+                                         "msda_stand_in_ms_deform_attn_func.MSDA"]
+    assert client.MSDA.COMPILED_STAND_IN and sys.modules[EXTENSION] is client.MSDA
+
+
+def test_uninstall_says_which_names_keep_pymsda_where_no_extension_imports(monkeypatch,
+                                                                           no_extension):
+    pymsda.compat.install()
+    client = importing_client(monkeypatch)
+    with pytest.warns(UserWarning, match=r"msda_stand_in_ms_deform_attn_func\.MSDA keep "
+                                         r"pymsda's module.*ModuleNotFoundError"):
+        assert pymsda.compat.uninstall() == [SYS_MODULES_ENTRY]
+    assert EXTENSION not in sys.modules and client.MSDA is pymsda.compat.extension
