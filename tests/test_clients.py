@@ -1,15 +1,16 @@
 """tests/test_clients.py: the projects pymsda.compat switches, as installed from PyPI (versions
 pinned in tests/requirements-clients.txt and tests/requirements-clients-torchvision.txt):
-transformers (RT-DETRv2, Mask2Former, RT-DETR's kernel layer), Ultralytics RT-DETR and RF-DETR
-(mmcv-lite + mmengine: tests/test_clients_mmcv.py).
+transformers (RT-DETRv2, Mask2Former, RT-DETR's kernel layer), Ultralytics RT-DETR, RF-DETR and
+rf-groundingdino (mmcv-lite + mmengine: tests/test_clients_mmcv.py).
 
 Each test builds the project's own model or module from a config (no download), runs forward,
 backward and one AdamW step with the project's own MSDA and again after pymsda's install(),
 and compares outputs, gradients (their None-ness included) and the updated weights in float64
 and float32 (tests/clients.py). Calls into libpymsda are counted, so a silent non-switch (or a
 switch that leaks into the project's own run) fails. A project that cannot be imported here is
-skipped with the reason: ultralytics and rfdetr need PyPI's torchvision, which is built against
-PyPI's CUDA build of torch (CI runs them in tests/matrix.py's torch 2.14.1 environment).
+skipped with the reason: ultralytics, rfdetr and rf-groundingdino need PyPI's torchvision, which
+is built against PyPI's CUDA build of torch (CI runs them in tests/matrix.py's torch 2.14.1
+environment).
 """
 import copy
 
@@ -286,3 +287,64 @@ def test_lwdetr_module_is_switched_when_given(library_calls):
         assert compat.uninstall() == ["lwdetr_ms_deform_attn.ms_deform_attn_core_pytorch"]
     assert module.ms_deform_attn_core_pytorch is ms_deform_attn_core_pytorch
     assert library_calls["forward"] == 1 and rel_l2(out, expected) < 1e-13
+
+
+# ---- rf-groundingdino -----------------------------------------------------------------------
+
+def groundingdino_encoder_layer():
+    """rf-groundingdino's deformable encoder layer (its MultiScaleDeformableAttention, the FFN and
+    norms), at a small width."""
+    transformer = client("groundingdino.models.GroundingDINO.transformer")
+    return transformer.DeformableTransformerEncoderLayer(d_model=32, d_ffn=64, dropout=0.0,
+                                                         n_levels=2, n_heads=4, n_points=2)
+
+
+def groundingdino_loss(layer):
+    generator = torch.Generator().manual_seed(7)
+    dtype = layer.linear1.weight.dtype
+
+    def rand(*size):
+        return torch.rand(*size, generator=generator, dtype=torch.float64).to(dtype)
+    shapes = torch.tensor([[6, 5], [3, 3]])
+    src, pos, reference = rand(2, 39, 32), rand(2, 39, 32), rand(2, 39, 2, 2)
+    out = layer(src, pos, reference, shapes, torch.tensor([0, 30]),
+                key_padding_mask=torch.arange(39).expand(2, 39) > 36)
+    return out, square_mean(out)
+
+
+@DTYPES
+def test_groundingdino_trains_the_same_after_install(library_calls, dtype):
+    """rf-groundingdino's encoder layer on pymsda after install(), layers built before
+    included: its MultiScaleDeformableAttention calls the module-level
+    multi_scale_deformable_attn_pytorch."""
+    client("groundingdino.models.GroundingDINO.ms_deform_attn")
+    from pymsda.compat import groundingdino as compat
+    switched = compare_switched(groundingdino_encoder_layer, groundingdino_loss, dtype,
+                                compat.install, compat.uninstall, library_calls,
+                                calls_per_step=1)
+    assert switched == ["groundingdino.models.GroundingDINO.ms_deform_attn."
+                        "multi_scale_deformable_attn_pytorch"]
+
+
+def test_groundingdino_tracing_runs_groundingdino_code(library_calls):
+    """While torch.jit.trace records, the switched function runs rf-groundingdino's own."""
+    client("groundingdino.models.GroundingDINO.ms_deform_attn")
+    from pymsda.compat import groundingdino as compat
+    torch.manual_seed(0)
+    layer = groundingdino_encoder_layer().double().eval().requires_grad_(False)
+    shapes, starts = torch.tensor([[6, 5], [3, 3]]), torch.tensor([0, 30])
+    inputs = tuple(torch.rand(*size, dtype=torch.float64)
+                   for size in ((1, 39, 32), (1, 39, 32), (1, 39, 2, 2)))
+
+    def run(src, pos, reference):
+        return layer(src, pos, reference, shapes, starts)
+    compat.install()
+    try:
+        with torch.no_grad():
+            eager = run(*inputs)
+            assert library_calls["forward"] == 1
+            traced = torch.jit.trace(run, inputs, check_trace=False)
+            assert library_calls["forward"] == 1  # none while tracing
+            assert rel_l2(traced(*inputs), eager) < 1e-12
+    finally:
+        compat.uninstall()

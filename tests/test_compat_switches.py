@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pymsda.compat
-from pymsda.compat import _switch, mmcv, rfdetr, transformers, ultralytics
+from pymsda.compat import _switch, groundingdino, mmcv, rfdetr, transformers, ultralytics
 
 BROKEN_IMPORT = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 
@@ -32,7 +32,7 @@ def stand_in_package(tmp_path, monkeypatch, name, init_code):
 
 # (the compat module, the package its install() imports)
 INSTALLS = [(ultralytics, "ultralytics"), (rfdetr, "rfdetr"), (transformers, "transformers"),
-            (mmcv, "mmengine")]
+            (groundingdino, "groundingdino"), (mmcv, "mmengine")]
 
 
 @pytest.mark.parametrize("compat, package", INSTALLS, ids=[p for _, p in INSTALLS])

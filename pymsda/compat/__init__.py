@@ -18,6 +18,8 @@ and modules keep their parameter names, so checkpoints load unchanged.
     ultralytics      install() / uninstall(): Ultralytics RT-DETR's MSDeformAttn
     rfdetr           install() / uninstall(): RF-DETR's MSDeformAttn (and LW-DETR's, given its
                      module), value in their (batch, heads, head_dim, S) layout
+    groundingdino    install() / uninstall(): rf-groundingdino's module-level
+                     multi_scale_deformable_attn_pytorch
     rtdetr           RT-DETR's deformable_attention_core_func, RT-DETRv2's
                      deformable_attention_core_func_v2 and its MSDeformableAttention module
     paddle           ms_deformable_attn, the Paddle RT-DETR ext_op's call shape, on torch
@@ -25,16 +27,16 @@ and modules keep their parameter names, so checkpoints load unchanged.
 
 The *_pytorch functions of deformable_detr and mmcv run the pure-PyTorch reference (grid_sample),
 as their originals do; everything else runs pymsda's C/CUDA kernels (the *_pytorch functions of
-ultralytics and rfdetr included: install() puts them in the originals' place).
+ultralytics, rfdetr and groundingdino included: install() puts them in the originals' place).
 """
 import sys
 import warnings
 
-from . import (_switch, deformable_detr, extension, mmcv, paddle, rfdetr, rtdetr, transformers,
-               ultralytics)
+from . import (_switch, deformable_detr, extension, groundingdino, mmcv, paddle, rfdetr, rtdetr,
+               transformers, ultralytics)
 
 __all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics", "rfdetr",
-           "install", "uninstall"]
+           "groundingdino", "install", "uninstall"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
 # while installed: [what sys.modules held under EXTENSION_NAME before install(), or None]
