@@ -161,12 +161,17 @@ def importing_client(monkeypatch):
 def test_uninstall_puts_back_the_extension_imported_before(monkeypatch, no_extension):
     compiled = types.ModuleType(EXTENSION)  # the compiled extension, imported before install()
     sys.modules[EXTENSION] = compiled
-    assert pymsda.compat.install() is pymsda.compat.extension
+    user = types.ModuleType("msda_stand_in_user")  # code that imports pymsda's module by name
+    user.extension = pymsda.compat.extension
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    installed = pymsda.compat.install()
+    assert installed.ms_deform_attn_forward is pymsda.compat.extension.ms_deform_attn_forward
     client = importing_client(monkeypatch)
-    assert client.MSDA is pymsda.compat.extension
+    assert client.MSDA is installed
     assert pymsda.compat.uninstall() == [SYS_MODULES_ENTRY,
                                          "msda_stand_in_ms_deform_attn_func.MSDA"]
     assert sys.modules[EXTENSION] is compiled and client.MSDA is compiled
+    assert user.extension is pymsda.compat.extension
     assert pymsda.compat.uninstall() == []
 
 
@@ -188,4 +193,5 @@ def test_uninstall_says_which_names_keep_pymsda_where_no_extension_imports(monke
     with pytest.warns(UserWarning, match=r"msda_stand_in_ms_deform_attn_func\.MSDA keep "
                                          r"pymsda's module.*ModuleNotFoundError"):
         assert pymsda.compat.uninstall() == [SYS_MODULES_ENTRY]
-    assert EXTENSION not in sys.modules and client.MSDA is pymsda.compat.extension
+    assert EXTENSION not in sys.modules
+    assert client.MSDA.ms_deform_attn_backward is pymsda.compat.extension.ms_deform_attn_backward

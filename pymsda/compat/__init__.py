@@ -30,6 +30,7 @@ as their originals do; everything else runs pymsda's C/CUDA kernels (the *_pytor
 ultralytics, rfdetr and groundingdino included: install() puts them in the originals' place).
 """
 import sys
+import types
 import warnings
 
 from . import (_switch, deformable_detr, extension, groundingdino, mmcv, paddle, rfdetr, rtdetr,
@@ -39,6 +40,24 @@ __all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultra
            "groundingdino", "install", "uninstall"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
+
+
+class _ExtensionAlias(types.ModuleType):
+    """pymsda.compat.extension under the extension's name: every attribute read or written is
+    the extension module's. A distinct object, so that uninstall() finds the names bound by
+    `import MultiScaleDeformableAttention` while installed, and no other."""
+
+    def __getattr__(self, name):
+        return getattr(extension, name)
+
+    def __setattr__(self, name, value):
+        setattr(extension, name, value)
+
+    def __dir__(self):
+        return dir(extension)
+
+
+_ALIAS = _ExtensionAlias(EXTENSION_NAME, extension.__doc__)
 # while installed: [what sys.modules held under EXTENSION_NAME before install(), or None]
 _held_before = []
 
@@ -50,21 +69,22 @@ def install():
 
     Call it before the code that imports the extension is imported; it replaces any module of
     that name already in sys.modules (uninstall() puts it back). Returns the installed module."""
-    if sys.modules.get(EXTENSION_NAME) is not extension:
+    if sys.modules.get(EXTENSION_NAME) is not _ALIAS:
         _held_before[:] = [sys.modules.get(EXTENSION_NAME)]
-        sys.modules[EXTENSION_NAME] = extension
-    return extension
+        sys.modules[EXTENSION_NAME] = _ALIAS
+    return _ALIAS
 
 
-def _names_of_extension():
-    """(module's name, module, attribute) for every module-level name outside pymsda that holds
-    pymsda's extension module (the `MSDA` of code that imported it while installed)."""
+def _names_of_installed():
+    """(module's name, module, attribute) for every module-level name that holds the module
+    install() put under the extension's name (the `MSDA` of code that imported it while
+    installed)."""
     names = []
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
-        if name.split(".")[0] != "pymsda" and isinstance(namespace, dict):
+        if name.split(".")[0] != "pymsda" and isinstance(namespace, dict):  # (not _ALIAS here)
             names += [(name, module, key) for key, value in list(namespace.items())
-                      if value is extension]
+                      if value is _ALIAS]
     return names
 
 
@@ -78,7 +98,7 @@ def uninstall():
     if not _held_before:
         return []
     held_before = _held_before.pop()
-    if sys.modules.get(EXTENSION_NAME) is extension:
+    if sys.modules.get(EXTENSION_NAME) is _ALIAS:
         if held_before is None:
             del sys.modules[EXTENSION_NAME]
         else:
@@ -87,7 +107,7 @@ def uninstall():
     original, failures = held_before, []
     if original is None:
         original = _switch._module(EXTENSION_NAME, failures)
-    bound = _names_of_extension()
+    bound = _names_of_installed()
     names = ["%s.%s" % (name, attribute) for name, _, attribute in bound]
     if original is not None:
         for _, module, attribute in bound:
