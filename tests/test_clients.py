@@ -17,8 +17,8 @@ import copy
 import pytest
 import torch
 
-from clients import (DTYPES, assert_same_step, client, compare_switched, library_calls,  # noqa: F401
-                     square_mean, train_step)
+from clients import library_calls  # noqa: F401  (a fixture)
+from clients import DTYPES, assert_same_step, client, compare_switched, square_mean, train_step
 from factories import rel_l2
 
 # ---- transformers ---------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 
 import pymsda
 from pymsda.compat import mmcv as compat  # registers pymsda's module (before any stub below)
-from clients import (DTYPES, assert_same_step, client, library_calls,  # noqa: F401
-                     square_mean, train_step)
+from clients import library_calls  # noqa: F401  (a fixture)
+from clients import DTYPES, assert_same_step, client, square_mean, train_step
 
 NAME = "MultiScaleDeformableAttention"
 ENTRY = "mmengine.registry.MODELS." + NAME
