@@ -1,138 +1,25 @@
 """tests/test_clients.py: the projects pymsda.compat switches, as installed from PyPI (versions
 pinned in tests/requirements-clients.txt and tests/requirements-clients-torchvision.txt):
 transformers (RT-DETRv2, Mask2Former, RT-DETR's kernel layer), Ultralytics RT-DETR, RF-DETR and
-mmcv-lite + mmengine.
+rf-groundingdino (mmcv-lite + mmengine: tests/test_clients_mmcv.py).
 
 Each test builds the project's own model or module from a config (no download), runs forward,
-backward and one AdamW step with the project's own MSDA and again after pymsda's install()
-(or with pymsda's module), and compares outputs, gradients (their None-ness included) and the
-updated weights in float64 and float32. Calls into libpymsda are counted, so a silent non-switch
-(or a switch that leaks into the project's own run) fails. A project that cannot be imported
-here is skipped with the reason: ultralytics and rfdetr need PyPI's torchvision, which is built
-against PyPI's CUDA build of torch (CI runs them in tests/matrix.py's torch 2.14.1 environment).
+backward and one AdamW step with the project's own MSDA and again after pymsda's install(),
+and compares outputs, gradients (their None-ness included) and the updated weights in float64
+and float32 (tests/clients.py). Calls into libpymsda are counted, so a silent non-switch (or a
+switch that leaks into the project's own run) fails. A project that cannot be imported here is
+skipped with the reason: ultralytics, rfdetr and rf-groundingdino need PyPI's torchvision, which
+is built against PyPI's CUDA build of torch (CI runs them in tests/matrix.py's torch 2.14.1
+environment).
 """
 import copy
-import importlib
 
 import pytest
 import torch
 
-from pymsda import _autograd
-from pymsda.compat import _switch
+from clients import library_calls  # noqa: F401  (a fixture)
+from clients import DTYPES, assert_same_step, client, compare_switched, square_mean, train_step
 from factories import rel_l2
-
-# ours may be off the float64 truth by twice the project's own error in the same dtype, plus
-# this much relative to the size of the true quantity
-FLOOR = {torch.float64: 1e-10, torch.float32: 1e-6}
-LEARNING_RATE = 1e-3
-DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-
-
-def client(name):
-    """The project's module, or a skip that says why it cannot be imported here."""
-    try:
-        return importlib.import_module(name)
-    except Exception as error:  # ImportError, or a torchvision built for another torch
-        first_line = (str(error).splitlines() or [""])[0][:160]
-        pytest.skip(f"{name} cannot be imported here ({type(error).__name__}: {first_line}); "
-                    "ultralytics and rfdetr need PyPI's torchvision, built for PyPI's CUDA torch")
-
-
-@pytest.fixture
-def library_calls(monkeypatch):
-    """Counts of the calls into libpymsda's msda_forward and msda_backward."""
-    counts = {"forward": 0, "backward": 0}
-    for name, key in (("_forward_c", "forward"), ("_backward_c", "backward")):
-        entry = getattr(_autograd, name)
-
-        def counted(*args, _entry=entry, _key=key):
-            counts[_key] += 1
-            return _entry(*args)
-        monkeypatch.setattr(_autograd, name, counted)
-    return counts
-
-
-def train_step(model, loss_of):
-    """Forward, backward and one AdamW step (weight decay on): (output, gradients by parameter
-    name, None where no gradient flowed, parameters after the step)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
-    output, loss = loss_of(model)
-    loss.backward()
-    grads = {n: None if p.grad is None else p.grad.detach().clone()
-             for n, p in model.named_parameters()}
-    optimizer.step()
-    return output.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def error(actual, expected):
-    return (actual.double() - expected.double()).norm()
-
-
-def assert_same_step(ours, own, truth, dtype):
-    """ours and own: one training step in dtype on pymsda and on the project's own MSDA; truth:
-    the project's own step in float64. Ours is no further from the truth than twice the
-    project's own error in dtype (plus FLOOR) for the output, each gradient (4x in float32) and
-    each weight after the step (float64); gradients that are None stay None (never zeros)."""
-    floor = FLOOR[dtype]
-    (out, grads, params), (own_out, own_grads, own_params) = ours, own
-    true_out, true_grads, true_params = truth
-    assert out.dtype == own_out.dtype == dtype and out.shape == own_out.shape
-    assert error(out, true_out) <= 2 * error(own_out, true_out) + floor * true_out.norm()
-    assert grads.keys() == own_grads.keys() == true_grads.keys()
-    # A gradient that is 0 in exact arithmetic (a bias before a normalisation) is rounding
-    # noise: its size is measured against all gradients together.
-    total = torch.cat([g.flatten() for g in true_grads.values() if g is not None]).norm()
-    noise = {n for n, g in true_grads.items() if g is not None and g.norm() < 1e-6 * total}
-    # A float32 location that crosses a pixel edge (where bilinear sampling has a kink) moves
-    # the location gradient by a step: both runs' offset gradients carry such steps at random
-    # points, so float32 gradients get 4x the project's own error.
-    factor = 2 if dtype == torch.float64 else 4
-    for name, grad in grads.items():
-        expected = true_grads[name]
-        assert (grad is None) == (own_grads[name] is None) == (expected is None), name
-        if expected is not None:
-            scale = 1e-4 * total if name in noise else expected.norm()
-            assert (error(grad, expected) <= factor * error(own_grads[name], expected)
-                    + floor * scale), name
-    if dtype != torch.float64:
-        # AdamW's first step moves a weight by lr * g / (|g| + eps), which turns a float32
-        # gradient's rounding error into up to lr where |g| is near eps: the weights are
-        # compared in float64 only
-        return
-    for name, param in params.items():
-        if name not in noise:  # weights whose gradient is only rounding noise: not compared
-            expected = true_params[name]
-            assert (error(param, expected) <= 2 * error(own_params[name], expected)
-                    + floor * LEARNING_RATE * expected.numel() ** 0.5), name
-
-
-def compare_switched(build, loss_of, dtype, install, uninstall, library_calls, calls_per_step):
-    """The project's own step (in dtype and in float64), then pymsda's after install(), then the
-    project's own again after uninstall(), on copies of one model."""
-    torch.manual_seed(0)
-    model = build()
-    truth = train_step(copy.deepcopy(model).double(), loss_of)
-    model = model.to(dtype)
-    own = train_step(copy.deepcopy(model), loss_of)
-    assert library_calls == {"forward": 0, "backward": 0}  # the project's own path
-    switched = install()
-    try:
-        assert switched and install() == switched  # idempotent
-        ours = train_step(copy.deepcopy(model), loss_of)
-    finally:
-        restored = uninstall()
-    assert sorted(restored) == sorted(switched)
-    assert library_calls["forward"] == calls_per_step and library_calls["backward"] >= 1
-    assert_same_step(ours, own, truth, dtype)
-    again = train_step(copy.deepcopy(model), loss_of)  # uninstalled: the project's own again
-    assert library_calls["forward"] == calls_per_step
-    assert_same_step(again, own, truth, dtype)
-    return switched
-
-
-def square_mean(*tensors):
-    return sum(t.double().square().mean() for t in tensors)
-
 
 # ---- transformers ---------------------------------------------------------------------------
 
@@ -175,9 +62,11 @@ def test_transformers_rtdetr_v2_trains_the_same_after_install(library_calls, dty
 @DTYPES
 def test_transformers_kernel_layer_of_models_built_after_install(library_calls, dtype):
     """RT-DETR (v1) builds the MultiScaleDeformableAttention kernel layer: a model built after
-    install() holds pymsda's; one built before keeps its own until replace_kernel_layers."""
+    install() holds pymsda's; one built before keeps its own until replace_kernel_layers. After
+    uninstall() the layers built while installed (a copy's too) are transformers' again."""
     transformers = client("transformers")
     from pymsda.compat import transformers as compat
+    from transformers.models.rt_detr import modeling_rt_detr
     config = rtdetr_config(transformers, "RTDetrConfig")
     torch.manual_seed(0)
     model = transformers.RTDetrForObjectDetection(config)
@@ -190,9 +79,10 @@ def test_transformers_kernel_layer_of_models_built_after_install(library_calls, 
         torch.manual_seed(0)
         built_after = transformers.RTDetrForObjectDetection(config).to(dtype)
         built_after.load_state_dict(model.state_dict())
-        layers = [m for m in built_after.modules()
+        copied = copy.deepcopy(built_after)
+        layers = [m for built in (built_after, copied) for m in built.modules()
                   if type(m).__name__ == "MultiScaleDeformableAttention"]
-        assert len(layers) == 2
+        assert len(layers) == 4
         assert all(isinstance(m, compat.MultiScaleDeformableAttention) for m in layers)
         assert not any(isinstance(m, compat.MultiScaleDeformableAttention)
                        for m in model.modules())
@@ -203,6 +93,10 @@ def test_transformers_kernel_layer_of_models_built_after_install(library_calls, 
     assert_same_step(ours, own, truth, dtype)
     assert not any(isinstance(m, compat.MultiScaleDeformableAttention)
                    for m in transformers.RTDetrForObjectDetection(config).modules())
+    assert all(type(m) is modeling_rt_detr.MultiScaleDeformableAttention for m in layers)
+    again = train_step(copied, detection_loss)
+    assert library_calls["forward"] == 2  # transformers' own code again
+    assert_same_step(again, own, truth, dtype)
 
 
 def mask2former_pixel_decoder():
@@ -395,73 +289,62 @@ def test_lwdetr_module_is_switched_when_given(library_calls):
     assert library_calls["forward"] == 1 and rel_l2(out, expected) < 1e-13
 
 
-# ---- mmcv-lite + mmengine -------------------------------------------------------------------
+# ---- rf-groundingdino -----------------------------------------------------------------------
 
-def mmcv_own_module_class(monkeypatch):
-    """mmcv's own MultiScaleDeformableAttention, from the installed mmcv's source. mmcv-lite
-    cannot import it (no compiled ops: mmcv._ext), so its loader is stubbed; off CUDA the module
-    never calls the compiled op (it runs multi_scale_deformable_attn_pytorch), and its
-    registration in mmengine's MODELS is left out (pymsda's holds the name)."""
-    client("mmcv")
-    registry = client("mmengine.registry")
-    from mmcv.utils import ext_loader
-    monkeypatch.setattr(ext_loader, "load_ext", lambda name, funcs: None)
-    monkeypatch.setattr(registry.MODELS, "register_module",
-                        lambda *args, **kwargs: (lambda cls: cls))
-    path = importlib.util.find_spec("mmcv").submodule_search_locations[0]
-    spec = importlib.util.spec_from_file_location("mmcv.ops.multi_scale_deform_attn",
-                                                  path + "/ops/multi_scale_deform_attn.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.MultiScaleDeformableAttention
+def groundingdino_encoder_layer():
+    """rf-groundingdino's deformable encoder layer (its MultiScaleDeformableAttention, the FFN and
+    norms), at a small width."""
+    transformer = client("groundingdino.models.GroundingDINO.transformer")
+    return transformer.DeformableTransformerEncoderLayer(d_model=32, d_ffn=64, dropout=0.0,
+                                                         n_levels=2, n_heads=4, n_points=2)
 
 
-def mmcv_loss(attention):
-    generator = torch.Generator().manual_seed(6)
-    dtype = attention.value_proj.weight.dtype
-    shapes = torch.tensor([[6, 5], [3, 3]])
+def groundingdino_loss(layer):
+    generator = torch.Generator().manual_seed(7)
+    dtype = layer.linear1.weight.dtype
 
     def rand(*size):
         return torch.rand(*size, generator=generator, dtype=torch.float64).to(dtype)
-    query, value = rand(9, 2, 32), rand(39, 2, 32)
-    out = attention(query, value=value, query_pos=rand(9, 2, 32),
-                    reference_points=rand(2, 9, 2, 2), spatial_shapes=shapes,
-                    level_start_index=torch.tensor([0, 30]),
-                    key_padding_mask=torch.arange(39).expand(2, 39) > 36)
+    shapes = torch.tensor([[6, 5], [3, 3]])
+    src, pos, reference = rand(2, 39, 32), rand(2, 39, 32), rand(2, 39, 2, 2)
+    out = layer(src, pos, reference, shapes, torch.tensor([0, 30]),
+                key_padding_mask=torch.arange(39).expand(2, 39) > 36)
     return out, square_mean(out)
 
 
 @DTYPES
-def test_mmcv_module_trains_like_mmcvs_own(monkeypatch, library_calls, dtype):
-    """pymsda.compat.mmcv.MultiScaleDeformableAttention against mmcv's own class (off CUDA:
-    its pure-PyTorch path): same state_dict keys and initial weights, same training step."""
-    own_class = mmcv_own_module_class(monkeypatch)
-    from pymsda.compat import mmcv as compat
-    options = dict(embed_dims=32, num_heads=4, num_levels=2, num_points=2, dropout=0.0)
-    torch.manual_seed(0)
-    own = own_class(**options)
-    torch.manual_seed(0)
-    ours = compat.MultiScaleDeformableAttention(**options)
-    assert list(ours.state_dict()) == list(own.state_dict())
-    for name, tensor in own.state_dict().items():
-        assert torch.equal(ours.state_dict()[name], tensor), name
-    truth = train_step(copy.deepcopy(own).double(), mmcv_loss)
-    own_step = train_step(own.to(dtype), mmcv_loss)
-    assert library_calls["forward"] == 0
-    our_step = train_step(ours.to(dtype), mmcv_loss)
-    assert library_calls["forward"] == 1 and library_calls["backward"] == 1
-    assert_same_step(our_step, own_step, truth, dtype)
+def test_groundingdino_trains_the_same_after_install(library_calls, dtype):
+    """rf-groundingdino's encoder layer on pymsda after install(), layers built before
+    included: its MultiScaleDeformableAttention calls the module-level
+    multi_scale_deformable_attn_pytorch."""
+    client("groundingdino.models.GroundingDINO.ms_deform_attn")
+    from pymsda.compat import groundingdino as compat
+    switched = compare_switched(groundingdino_encoder_layer, groundingdino_loss, dtype,
+                                compat.install, compat.uninstall, library_calls,
+                                calls_per_step=1)
+    assert switched == ["groundingdino.models.GroundingDINO.ms_deform_attn."
+                        "multi_scale_deformable_attn_pytorch"]
 
 
-def test_mmcv_module_builds_from_an_mmengine_config(library_calls):
-    """With mmcv-lite (no compiled ops) a config naming mmcv's module builds pymsda's."""
-    client("mmcv")
-    registry = client("mmengine.registry")
-    from pymsda.compat import mmcv as compat
-    assert compat.REGISTERED
-    attention = registry.MODELS.build(dict(type="MultiScaleDeformableAttention", embed_dims=32,
-                                           num_heads=4, num_levels=2, num_points=2,
-                                           batch_first=False))
-    assert type(attention) is compat.MultiScaleDeformableAttention
-    out, loss = mmcv_loss(attention.double())
-    assert out.shape == (9, 2, 32) and library_calls["forward"] == 1
+def test_groundingdino_tracing_runs_groundingdino_code(library_calls):
+    """While torch.jit.trace records, the switched function runs rf-groundingdino's own."""
+    client("groundingdino.models.GroundingDINO.ms_deform_attn")
+    from pymsda.compat import groundingdino as compat
+    torch.manual_seed(0)
+    layer = groundingdino_encoder_layer().double().eval().requires_grad_(False)
+    shapes, starts = torch.tensor([[6, 5], [3, 3]]), torch.tensor([0, 30])
+    inputs = tuple(torch.rand(*size, dtype=torch.float64)
+                   for size in ((1, 39, 32), (1, 39, 32), (1, 39, 2, 2)))
+
+    def run(src, pos, reference):
+        return layer(src, pos, reference, shapes, starts)
+    compat.install()
+    try:
+        with torch.no_grad():
+            eager = run(*inputs)
+            assert library_calls["forward"] == 1
+            traced = torch.jit.trace(run, inputs, check_trace=False)
+            assert library_calls["forward"] == 1  # none while tracing
+            assert rel_l2(traced(*inputs), eager) < 1e-12
+    finally:
+        compat.uninstall()

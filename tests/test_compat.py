@@ -148,6 +148,7 @@ def installed_extension(monkeypatch):
     monkeypatch.delitem(sys.modules, "MultiScaleDeformableAttention", raising=False)
     module = pymsda.compat.install()
     yield module
+    pymsda.compat.uninstall()
     monkeypatch.delitem(sys.modules, "MultiScaleDeformableAttention", raising=False)
 
 
@@ -681,9 +682,9 @@ def test_compat_entry_points_are_exported():
     expected = {
         deformable_detr: {"MSDeformAttnFunction", "ms_deform_attn_core_pytorch", "MSDeformAttn"},
         mmcv: {"MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch",
-               "MultiScaleDeformableAttention"},
+               "MultiScaleDeformableAttention", "install", "uninstall"},
         transformers: {"MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
-                       "replace_kernel_layers", "install", "uninstall"},
+                       "replace_kernel_layers", "restore_kernel_layers", "install", "uninstall"},
         rtdetr: {"deformable_attention_core_func", "deformable_attention_core_func_v2",
                  "MSDeformableAttention"},
         paddle: {"ms_deformable_attn", "deformable_attention_core_func"},

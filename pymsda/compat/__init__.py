@@ -5,10 +5,12 @@ keeps the names, argument names and order, output shapes and dtypes of the proje
 and modules keep their parameter names, so checkpoints load unchanged.
 
     deformable_detr  Deformable DETR: MSDeformAttnFunction, ms_deform_attn_core_pytorch,
-                     MSDeformAttn; install() for `import MultiScaleDeformableAttention as MSDA`
+                     MSDeformAttn; install() / uninstall() (here) for
+                     `import MultiScaleDeformableAttention as MSDA`
     mmcv             MultiScaleDeformableAttnFunction, multi_scale_deformable_attn_pytorch,
                      and mmcv's MultiScaleDeformableAttention module (registered in mmengine's
-                     MODELS where mmcv has no compiled ops, e.g. mmcv-lite)
+                     MODELS where mmcv has no compiled ops, e.g. mmcv-lite, on import and by
+                     install(); uninstall() removes the entry)
     transformers     the MultiScaleDeformableAttention kernel layer of HF transformers,
                      replace_kernel_layers(model) to put it into a built transformers model,
                      and install() / uninstall() (the kernel layer of models built afterwards,
@@ -16,22 +18,48 @@ and modules keep their parameter names, so checkpoints load unchanged.
     ultralytics      install() / uninstall(): Ultralytics RT-DETR's MSDeformAttn
     rfdetr           install() / uninstall(): RF-DETR's MSDeformAttn (and LW-DETR's, given its
                      module), value in their (batch, heads, head_dim, S) layout
+    groundingdino    install() / uninstall(): rf-groundingdino's module-level
+                     multi_scale_deformable_attn_pytorch
     rtdetr           RT-DETR's deformable_attention_core_func, RT-DETRv2's
                      deformable_attention_core_func_v2 and its MSDeformableAttention module
     paddle           ms_deformable_attn, the Paddle RT-DETR ext_op's call shape, on torch
                      tensors (and deformable_attention_core_func, its fallback's name)
 
-Functions named *_pytorch run the pure-PyTorch reference (grid_sample), as their originals do;
-everything else runs pymsda's C/CUDA kernels.
+The *_pytorch functions of deformable_detr and mmcv run the pure-PyTorch reference (grid_sample),
+as their originals do; everything else runs pymsda's C/CUDA kernels (the *_pytorch functions of
+ultralytics, rfdetr and groundingdino included: install() puts them in the originals' place).
 """
 import sys
+import types
+import warnings
 
-from . import deformable_detr, extension, mmcv, paddle, rfdetr, rtdetr, transformers, ultralytics
+from . import (_switch, deformable_detr, extension, groundingdino, mmcv, paddle, rfdetr, rtdetr,
+               transformers, ultralytics)
 
 __all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics", "rfdetr",
-           "install"]
+           "groundingdino", "install", "uninstall"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
+
+
+class _ExtensionAlias(types.ModuleType):
+    """pymsda.compat.extension under the extension's name: every attribute read or written is
+    the extension module's. A distinct object, so that uninstall() finds the names bound by
+    `import MultiScaleDeformableAttention` while installed, and no other."""
+
+    def __getattr__(self, name):
+        return getattr(extension, name)
+
+    def __setattr__(self, name, value):
+        setattr(extension, name, value)
+
+    def __dir__(self):
+        return dir(extension)
+
+
+_ALIAS = _ExtensionAlias(EXTENSION_NAME, extension.__doc__)
+# while installed: [what sys.modules held under EXTENSION_NAME before install(), or None]
+_held_before = []
 
 
 def install():
@@ -40,6 +68,53 @@ def install():
     MSDA.ms_deform_attn_backward), so unmodified code that imports it runs on pymsda.
 
     Call it before the code that imports the extension is imported; it replaces any module of
-    that name already in sys.modules. Returns the installed module."""
-    sys.modules[EXTENSION_NAME] = extension
-    return extension
+    that name already in sys.modules (uninstall() puts it back). Returns the installed module."""
+    if sys.modules.get(EXTENSION_NAME) is not _ALIAS:
+        _held_before[:] = [sys.modules.get(EXTENSION_NAME)]
+        sys.modules[EXTENSION_NAME] = _ALIAS
+    return _ALIAS
+
+
+def _names_of_installed():
+    """(module's name, module, attribute) for every module-level name that holds the module
+    install() put under the extension's name (the `MSDA` of code that imported it while
+    installed)."""
+    names = []
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if name.split(".")[0] != "pymsda" and isinstance(namespace, dict):  # (not _ALIAS here)
+            names += [(name, module, key) for key, value in list(namespace.items())
+                      if value is _ALIAS]
+    return names
+
+
+def uninstall():
+    """Undoes install(): sys.modules holds again what it held under MultiScaleDeformableAttention
+    before (or nothing), so a later import finds Deformable DETR's compiled extension where it
+    is installed, and the module-level names bound to pymsda's module by an import while
+    installed (Deformable DETR's `MSDA`) are bound to that extension. Where the extension cannot
+    be imported, those names keep pymsda's module (a warning names them). Returns the names
+    restored."""
+    if not _held_before:
+        return []
+    held_before = _held_before.pop()
+    if sys.modules.get(EXTENSION_NAME) is _ALIAS:
+        if held_before is None:
+            del sys.modules[EXTENSION_NAME]
+        else:
+            sys.modules[EXTENSION_NAME] = held_before
+    restored = ["sys.modules[%r]" % EXTENSION_NAME]
+    original, failures = held_before, []
+    if original is None:
+        original = _switch._module(EXTENSION_NAME, failures)
+    bound = _names_of_installed()
+    names = ["%s.%s" % (name, attribute) for name, _, attribute in bound]
+    if original is not None:
+        for _, module, attribute in bound:
+            setattr(module, attribute, original)
+        return restored + names
+    if names:
+        warnings.warn("pymsda.compat.uninstall(): %s keep pymsda's module: Deformable DETR's "
+                      "extension does not import here (%s); re-import that code once it does"
+                      % (", ".join(names), _switch.failure_text(*failures[0])), stacklevel=2)
+    return restored

@@ -18,11 +18,16 @@
         (and an mmcv whose compiled ops do not build) has no such module: where mmengine is
         installed and mmcv's compiled ops are not, this one is registered in mmengine's MODELS
         registry under mmcv's name, so configs naming type="MultiScaleDeformableAttention" (e.g.
-        mmcv's BaseTransformerLayer attn_cfgs) build it once pymsda.compat.mmcv is imported.
+        mmcv's BaseTransformerLayer attn_cfgs) build it once pymsda.compat.mmcv is imported;
+        uninstall() removes that entry and install() puts it back. Like mmcv's module (an
+        mmengine BaseModule), it is initialised when built (is_init is true), so a parent
+        BaseModule's init_weights() leaves its weights alone.
 """
+import copy
 import importlib.util
 import math
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -35,7 +40,7 @@ from ..reference import ms_deform_attn_pytorch
 from . import _switch
 
 __all__ = ["MultiScaleDeformableAttnFunction", "multi_scale_deformable_attn_pytorch",
-           "MultiScaleDeformableAttention"]
+           "MultiScaleDeformableAttention", "install", "uninstall"]
 
 
 class MultiScaleDeformableAttnFunction:
@@ -78,7 +83,8 @@ class MultiScaleDeformableAttention(nn.Module):
         if embed_dims % num_heads != 0:
             raise ValueError(f"embed_dims must be divisible by num_heads, but got {embed_dims} "
                              f"and {num_heads}")
-        self.init_cfg = init_cfg  # mmengine's BaseModule attribute; weights start as mmcv's
+        self._is_init = False
+        self.init_cfg = copy.deepcopy(init_cfg)  # as mmengine's BaseModule keeps it
         self.norm_cfg = norm_cfg
         self.dropout = nn.Dropout(dropout)
         self.batch_first = batch_first
@@ -113,6 +119,23 @@ class MultiScaleDeformableAttention(nn.Module):
             nn.init.xavier_uniform_(layer.weight, gain=1)
             nn.init.constant_(layer.bias, 0.0)
         self._is_init = True
+
+    # mmengine's BaseModule.init_weights() calls a child's init_weights() unless the child's
+    # is_init is true: mmcv's module (a BaseModule) has it true from its constructor on, so a
+    # parent leaves its weights alone. So does this property for pymsda's.
+    @property
+    def is_init(self):
+        """mmengine's initialisation flag: True once init_weights() has run (the constructor
+        runs it), so a parent BaseModule.init_weights() leaves these weights as they are."""
+        return self._is_init
+
+    @is_init.setter
+    def is_init(self, value):
+        self._is_init = value
+
+    def __repr__(self):  # as mmengine's BaseModule shows it
+        text = super().__repr__()
+        return text + "\ninit_cfg=%s" % (self.init_cfg,) if self.init_cfg else text
 
     def forward(self, query, key=None, value=None, identity=None, query_pos=None,
                 key_padding_mask=None, reference_points=None, spatial_shapes=None,
@@ -176,17 +199,75 @@ def _mmcv_has_compiled_ops():
                if os.path.isdir(folder) for name in os.listdir(folder))
 
 
+_NAME = "MultiScaleDeformableAttention"
+_ENTRY = "mmengine.registry.MODELS." + _NAME
+
+
 def _register():
-    """Registers MultiScaleDeformableAttention in mmengine's MODELS where mmengine is installed,
-    mmcv's compiled ops are not and the name is free. Returns whether it did."""
-    if importlib.util.find_spec("mmengine") is None or _mmcv_has_compiled_ops():
-        return False
-    from mmengine.registry import MODELS
-    if MODELS.get("MultiScaleDeformableAttention") is not None:
-        return False
-    MODELS.register_module(name="MultiScaleDeformableAttention",
-                           module=MultiScaleDeformableAttention)
-    return True
+    """Registers MultiScaleDeformableAttention in mmengine's MODELS where mmengine imports,
+    mmcv's compiled ops are not installed and the name is free in the registry (Registry.get
+    is not asked: for a name it does not hold it imports a top-level module of that name, such
+    as Deformable DETR's compiled extension, and returns the module). Returns ([_ENTRY] or [],
+    why not)."""
+    if importlib.util.find_spec("mmengine") is None:
+        return [], "mmengine is not installed"
+    if _mmcv_has_compiled_ops():
+        return [], ("mmcv's compiled ops are installed, so mmcv's own module holds the name (on "
+                    "CUDA it runs pymsda after `mmcv.ops.multi_scale_deform_attn."
+                    "MultiScaleDeformableAttnFunction = pymsda.compat.mmcv."
+                    "MultiScaleDeformableAttnFunction`)")
+    try:
+        from mmengine.registry import MODELS
+    except Exception as error:  # mmengine's own failure: reported, never raised
+        return [], "importing " + _switch.failure_text("mmengine.registry", error)
+    holder = MODELS.module_dict.get(_NAME)
+    if holder is MultiScaleDeformableAttention:
+        return [_ENTRY], None
+    if holder is not None:
+        return [], ("the name is registered to %s.%s; to build pymsda's instead: "
+                    "MODELS.register_module(name=%r, module=pymsda.compat.mmcv."
+                    "MultiScaleDeformableAttention, force=True)"
+                    % (holder.__module__, getattr(holder, "__qualname__", holder), _NAME))
+    MODELS.register_module(name=_NAME, module=MultiScaleDeformableAttention)
+    return [_ENTRY], None
 
 
-REGISTERED = _register()
+def _models_registry_holding_ours():
+    """mmengine's MODELS where it is imported and holds pymsda's module under mmcv's name."""
+    registry = getattr(sys.modules.get("mmengine.registry"), "MODELS", None)
+    module_dict = getattr(registry, "module_dict", {})
+    return registry if module_dict.get(_NAME) is MultiScaleDeformableAttention else None
+
+
+def install():
+    """Registers pymsda's MultiScaleDeformableAttention in mmengine's MODELS under mmcv's name
+    (importing this module does it already), so configs naming type="MultiScaleDeformableAttention"
+    build it; where mmengine is missing or fails to import, mmcv's compiled ops are installed,
+    or another class holds the name, it warns saying which and registers nothing. Returns
+    ["mmengine.registry.MODELS.MultiScaleDeformableAttention"], or []."""
+    registered, why_not = _register()
+    if why_not:
+        warnings.warn("pymsda.compat.mmcv.install(): registered nothing: " + why_not,
+                      stacklevel=2)
+    return registered
+
+
+def uninstall():
+    """Removes pymsda's entry from mmengine's MODELS (where it is pymsda's), so the name is
+    free as before pymsda. Modules already built stay pymsda's. Returns the names removed."""
+    registry = _models_registry_holding_ours()
+    if registry is None:
+        return []
+    del registry.module_dict[_NAME]  # mmengine's Registry has no unregister
+    return [_ENTRY]
+
+
+def __getattr__(name):
+    if name == "REGISTERED":  # whether pymsda's module is in mmengine's MODELS now
+        return _models_registry_holding_ours() is not None
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+# Configs naming mmcv's module build pymsda's once this module is imported (where mmengine is
+# installed and mmcv's compiled ops are not): quietly, as the import cannot be told not to.
+_register()

@@ -16,6 +16,7 @@ autograd function of older transformers releases, same call shape as Deformable 
 transformers builds the layer inside its models (`self.attn = MultiScaleDeformableAttention()`),
 so user code does not import it: replace_kernel_layers(model) swaps every such layer of a built
 (or loaded) model for this one; the layer holds no weights, so nothing else changes.
+restore_kernel_layers(model) puts transformers' layers back.
 
 install() switches, in the transformers modules that hold them:
   - the kernel layer class (Deformable DETR, RT-DETR, Grounding DINO, MM Grounding DINO,
@@ -27,12 +28,15 @@ install() switches, in the transformers modules that hold them:
     and DEIMv2 bind it when a layer is built);
   - Mask2Former's and OneFormer's module-level multi_scale_deformable_attention(value,
     value_spatial_shapes, sampling_locations, attention_weights), looked up when they run.
-It returns the names switched; uninstall() restores them. While a tracer or exporter runs
+It returns the names switched; uninstall() restores them and turns the kernel layers built while
+installed back into transformers' own (models built before install() and changed by
+replace_kernel_layers keep pymsda's until restore_kernel_layers). While a tracer or exporter runs
 (torch.jit.trace, the ONNX exporters, torch.export), every switched name and layer runs
 transformers' own code.
 """
 import inspect
 import warnings
+import weakref
 from typing import Any
 
 from torch import nn
@@ -43,7 +47,7 @@ from . import _switch
 from .rtdetr import deformable_attention_core_func_v2
 
 __all__ = ["MultiScaleDeformableAttention", "MultiScaleDeformableAttentionFunction",
-           "replace_kernel_layers", "install", "uninstall"]
+           "replace_kernel_layers", "restore_kernel_layers", "install", "uninstall"]
 
 MultiScaleDeformableAttentionFunction = MSDeformAttnFunction
 
@@ -56,6 +60,20 @@ class MultiScaleDeformableAttention(nn.Module):
     __prepare_scriptable__ = _not_scriptable  # say what works instead
     # transformers' own forward (of the class this one replaced), run while exporting
     _client_forward = None
+    # install()'s layer classes: transformers' class they replace, and the layers built while
+    # installed, which uninstall() turns back into that class
+    _client_class = None
+    _built = None
+
+    def __init__(self):
+        super().__init__()
+        if self._built is not None:
+            self._built.add(self)
+
+    def __setstate__(self, state):  # a copy (copy.deepcopy) of such a layer is one too
+        super().__setstate__(state)
+        if self._built is not None:
+            self._built.add(self)
 
     def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index,
                 sampling_locations, attention_weights, im2col_step=None):
@@ -111,6 +129,21 @@ def replace_kernel_layers(model):
     return replaced
 
 
+def restore_kernel_layers(model):
+    """Undoes replace_kernel_layers(model): puts transformers' own layers back into model, in
+    place (the very layers replaced; a layer built while install() was on becomes transformers'
+    class again). Returns the number of layers restored."""
+    restored = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MultiScaleDeformableAttention):
+                original = _switch_back(child)
+                if original is not None:
+                    setattr(parent, name, original)
+                    restored += 1
+    return restored
+
+
 # ---- install() ------------------------------------------------------------------------------
 
 _KERNEL_LAYER_MODELS = ["deformable_detr", "rt_detr", "grounding_dino", "mm_grounding_dino",
@@ -150,8 +183,28 @@ def _kernel_layer_class(original):
         return None
     client = original()  # no weights; its forward is transformers' pure-PyTorch MSDA
     return type("MultiScaleDeformableAttention", (MultiScaleDeformableAttention,),
-                {"_client_forward": staticmethod(client.forward),
+                {"_client_forward": staticmethod(client.forward), "_client_class": original,
+                 "_built": weakref.WeakSet(),
                  "__module__": __name__, "__qualname__": "MultiScaleDeformableAttention"})
+
+
+def _switch_back(layer):
+    """transformers' own layer for a pymsda layer: the one replace_kernel_layers replaced, or a
+    layer built while installed turned back into transformers' class (the layers hold no state
+    but nn.Module's). None for a layer of neither kind."""
+    client_class = type(layer)._client_class
+    if client_class is not None:
+        layer.__class__ = client_class
+        return layer
+    original = getattr(layer.__dict__.get("_client_forward"), "__self__", None)
+    if original is not None:
+        original.train(layer.training)
+    return original
+
+
+def _switch_back_built(original, replacement):
+    for layer in list(getattr(replacement, "_built", None) or ()):
+        _switch_back(layer)
 
 
 def _replacement(original, module):
@@ -170,5 +223,6 @@ def install():
 
 
 def uninstall():
-    """Restores transformers' own MSDA; returns the names restored."""
-    return _switch.restore(_TARGETS)
+    """Restores transformers' own MSDA, the kernel layers of models built while installed
+    included (they become transformers' class again); returns the names restored."""
+    return _switch.restore(_TARGETS, _switch_back_built)
