@@ -122,9 +122,3 @@ def restore(targets, undo=None):
             if undo is not None:
                 undo(original, replacement)
     return restored
-
-
-def original_of(module_name, attribute):
-    """The project's own object that a switch replaced, or None."""
-    entry = _SWITCHED.get((module_name, attribute))
-    return entry[0] if entry else None
