@@ -46,75 +46,36 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         num_points_list: per-level point counts (RT-DETRv2), a list of L ints >= 0. Then
             sampling_locations is (B, Q, H, N, 2) and attention_weights (B, Q, H, N) with
             N = sum(num_points_list), level 0's points first.
-        sampling: "bilinear" (default) or "nearest": read the single pixel
-            (clamp(floor(x * W_l + 0.5), 0, W_l - 1), clamp(floor(y * H_l + 0.5), 0, H_l - 1)),
-            RT-DETRv2's "discrete" method. No gradient flows to sampling_locations then: it gets
-            None, as with RT-DETRv2's integer cast (not a tensor of zeros, which an optimizer
-            such as AdamW would still apply weight decay for).
-        softmax: attention_weights are logits; the op applies the softmax over all points of
-            each (query, head) first: torch's softmax, then the plain op (a fused softmax in
-            the kernels was slower in the backward; kernels/TUNING.md). It runs in the dtype
-            the points are read in (the dtype rule below), or in torch's choice (float32 under
-            autocast).
-        deterministic: bitwise reproducible gradients (grad_value accumulated in 64-bit fixed
-            point on CUDA, with a workspace of 8 bytes per value element; the CPU backward is
-            deterministic anyway). None (default) follows
+        sampling: "bilinear" (default) or "nearest" (RT-DETRv2's "discrete": the nearest pixel,
+            clamped; sampling_locations then gets no gradient, None).
+        softmax: attention_weights are logits: torch's softmax over each (query, head)'s
+            points, in the dtype the points are read in, then the plain op.
+        deterministic: bitwise reproducible gradients (on CUDA grad_value summed in 64-bit fixed
+            point, a workspace of 8 bytes per value element). None (default) follows
             torch.are_deterministic_algorithms_enabled().
-        validate: also check spatial_shapes and level_start_index when they live on the GPU
-            (sizes >= 1, sum of H*W == S, starts consistent), which costs a device
-            synchronisation (so not inside CUDA graph capture); a bad table raises ValueError.
-            The environment variable PYMSDA_VALIDATE=1 turns it on for every call. Without it,
-            device-side tables are trusted: tables that disagree with value give wrong numbers
-            but never a read or write outside the tensors. Host-side tables (a list or a CPU
-            tensor) are always checked. Under torch.compile and torch.export the op checks
-            device-side tables only with PYMSDA_VALIDATE=1 (read when the compiled code runs).
+        validate: also check spatial_shapes and level_start_index that live on the GPU, with a
+            device synchronisation; PYMSDA_VALIDATE=1 does it for every call. Otherwise device
+            tables are trusted: wrong tables give wrong numbers, never an access outside the
+            tensors. Host tables (a list, a CPU tensor) are always checked.
 
     Returns:
         (B, Q, H * C) tensor of value's dtype:
         out[b, q, h*C + c] = sum_{l,p} A[b,q,h,l,p] * bilinear(V_l[b, :, :, h, c],
                                                       loc_x * W_l - 0.5, loc_y * H_l - 0.5),
-        i.e. grid_sample(bilinear, padding_mode="zeros", align_corners=False) with
-        grid = 2 * loc - 1. Mixed dtypes: see the dtype rule below. Differentiable with respect to value, sampling_locations and
-        attention_weights. Half precision accumulates in float32; on CUDA (sm_90 and newer) the
-        float32 sums of grad_value are added into the half-precision gradient with atomics,
-        each rounded once as it is added (deterministic=True rounds each element once).
-        Empty batches or query sets (B = 0, Q = 0) give empty outputs and gradients; meta
-        tensors give a meta output.
+        i.e. grid_sample(bilinear, padding_mode="zeros", align_corners=False) at
+        grid = 2 * loc - 1, differentiable with respect to value, sampling_locations and
+        attention_weights. Half precision accumulates in float32.
 
-    Non-finite input (CPU and CUDA, forward and backward):
-        A sampling location that is NaN or +-Inf in x or y (or so far outside its level that
-        no corner is inside) contributes nothing: the point adds 0 to the output, its weight
-        and location gradients are 0 and it scatters nothing into grad_value, whatever its
-        attention weight. A NaN or +-Inf attention weight of a point with a corner inside
-        enters the sum by IEEE arithmetic: out[b, q, h, :] becomes NaN (NaN weight) or
-        non-finite (Inf weight), as do the location gradient of that point and grad_value at
-        its corners; its own weight gradient (the bilinear sample) stays finite.
+    Dtypes (docs/numerics.md has the whole rule, the kinks, non-finite input): the points are
+    read in value's dtype when both have it; with a half value and float32 points (what
+    torch.autocast gives) they are read as float32, never rounded, and grad_value is summed as
+    the all-half call sums it. Gradients come back in each input's dtype.
 
-    Mixed dtypes and autocast (the dtype rule):
-        The output and grad_value have value's dtype. sampling_locations and attention_weights
-        (the points) are read in value's dtype when both have it; with a float16 or bfloat16
-        value and points of any other float dtype they are read as float32: the kernels compute
-        coordinates and weights from the float32 numbers, so no location is rounded to half
-        precision. That is what torch.autocast gives a Deformable-DETR-style model (value from
-        an nn.Linear in half precision, float32 reference points + offsets and a float32
-        softmax), and it costs no cast. grad_value is summed as the all-half call sums it on
-        that GPU (half-precision atomics on sm_90 and newer), by the same kernels: no less
-        precise than the same call in value's dtype, and the points never rounded. A point dtype narrower than value's is widened to it
-        (float16 points with a float32 value), a float64 value runs in float64 throughout.
-        Gradients come back in each input's own dtype. The op is not itself on an autocast
-        list.
-
-    torch.compile, torch.export, CUDA graphs:
-        Where torch has torch.library.custom_op (2.4 and later) the op is registered as
-        torch.ops.pymsda.ms_deform_attn_forward / ms_deform_attn_backward with fake
-        implementations and autograd, so torch.compile(fullgraph=True) and torch.export trace
-        it without a graph break (a list of shapes becomes a constant tensor of the graph).
-        Eager calls skip the dispatcher and call the library directly. Nothing in the op reads
-        a GPU tensor on the host or synchronises (validate aside), and a list of shapes is
-        copied to each device once and cached, so calls can be captured in CUDA graphs once
-        the op has run with those shapes outside capture. torch.jit.script records a call from
-        scripted code as the op pymsda::ms_deform_attn, which runs this function
-        (pymsda/_script.py); torch.jit.trace and torch.onnx.export: pymsda/export.py.
+    Tracing (docs/export.md): torch.compile, torch.export and torch.jit.trace record the
+    registered op pymsda::ms_deform_attn_forward (torch 2.4 and later); torch.onnx.export a
+    decomposition into standard ONNX ops or TensorRT's plugin; torch.jit.script the op
+    pymsda::ms_deform_attn. Nothing reads a GPU tensor on the host, so calls capture in CUDA
+    graphs after one warm-up call.
 
     Raises:
         TypeError for a wrong type or dtype and ValueError for a wrong shape, size, device or
