@@ -5,7 +5,8 @@
 #   make CUDA_ARCHS=90     a quick build for one GPU architecture (a list: "80 90")
 #   make CUDA_ARCHS=all    every architecture from sm_75 this nvcc knows (release wheels)
 #   make MSDA_CUDA=0       force a CPU-only build
-#   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside
+#   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside:
+#                          manylinux_2_28 with zig's linker (pip install ziglang), see below
 #   make info | test | clean;  V=1 prints the compiler commands
 # A build folder remembers the MSDA_CUDA, CUDA_ARCHS and CUDA_PTX it was made with: a later
 # `make`, `make test` or `make wheel` that names none of them uses it as it is, instead of
@@ -186,14 +187,35 @@ info:
 	@echo "output:        $(LIB)"
 
 # ---- wheel -------------------------------------------------------------------------------------
-# One wheel for every Python 3 and torch version (tag py3-none-<platform>), made by the in-tree
-# PEP 517 backend from $(LIB) and pymsda/*.py: needs neither pip, setuptools nor torch, and
-# installing it (`pip install dist/pymsda-*.whl`) needs no compiler.
+# One wheel for every Python 3 and torch version, made by the in-tree PEP 517 backend from the
+# library and pymsda/*.py: needs neither pip, setuptools nor torch, and installing it needs no
+# compiler. The backend tags it by what the library needs: manylinux_2_28_<arch> for the portable
+# library below, else linux_<arch> (pymsda/_build_backend.py).
+# The portable library: the objects of $(LIB) relinked by zig's linker (pip install ziglang) against
+# glibc $(GLIBC_FLOOR)'s symbol versions, with zig's static libc++abi and libunwind, msda_* the only
+# exports, and no OpenMP library named: GOMP_* and omp_* bind to the runtime torch has loaded
+# (pymsda/_lib.py puts it in the global scope), so one OpenMP runtime serves the process whatever
+# torch calls its copy. gcc's libgcc.a goes first: the target_clones resolvers then read the
+# CPU-feature bits of the gcc that compiled them. Without zig, `make wheel` packs $(LIB) as it is.
+ifneq ($(filter wheel portable,$(MAKECMDGOALS)),)
+ZIG ?= $(shell $(PYTHON) -c 'import ziglang' 2>/dev/null && echo '$(PYTHON) -m ziglang')
+endif
+GLIBC_FLOOR  := 2.28
+PORTABLE_LIB := $(BUILD)/portable/libpymsda.so
 DIST ?= dist
-.PHONY: wheel
-wheel: $(LIB)
+.PHONY: wheel portable
+portable: $(PORTABLE_LIB)
+$(PORTABLE_LIB): $(C_OBJS) $(CUDA_OBJS)
+	@$(if $(ZIG),mkdir -p $(dir $@),echo "zig not found: pip install ziglang" && exit 1)
+	@printf '{\n  global: msda_*;\n  local: *;\n};\n' > $(dir $@)exports.map
+	$(call say,LINK  $@ (zig, glibc $(GLIBC_FLOOR)))
+	$(Q)$(ZIG) c++ -target $(shell uname -m)-linux-gnu.$(GLIBC_FLOOR) -shared -o $@ $^ $(CUDA_LIBS) -lm \
+	    $(shell $(CC) -print-libgcc-file-name) -Wl,--version-script=$(dir $@)exports.map
+
+wheel: $(if $(ZIG),$(PORTABLE_LIB),$(LIB))
 	@mkdir -p $(DIST)
-	@PYMSDA_BUILD_DIR='$(BUILD)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
+	@$(if $(ZIG),,echo "make wheel: zig not found (pip install ziglang), so the wheel carries $(LIB) as linked here")
+	@PYMSDA_BUILD_DIR='$(dir $<)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
 	    import _build_backend; print("built " + sys.argv[1] + "/" + _build_backend.build_wheel(sys.argv[1]))' $(DIST)
 
 # ---- tests -------------------------------------------------------------------------------------

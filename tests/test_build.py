@@ -4,6 +4,9 @@
   Python's environment (nvidia/cu13/bin/nvcc); without any, `make info` names the pip command.
   Checked with a stand-in nvcc in a scratch site-packages folder, so nothing is compiled.
 - A build folder remembers MSDA_CUDA=0 when the user chose it, not when nvcc was missing.
+- The wheel's platform tag tells the truth: a manylinux_2_<N> library needs only glibc's own
+  libraries at GLIBC versions up to 2.<N>, names no OpenMP library (it binds to torch's runtime),
+  and exports only msda_* (checked on the loaded library, e.g. the wheel tests/matrix.py installs).
 """
 import os
 import re
@@ -99,3 +102,40 @@ def test_a_remembered_0_from_before_the_distinction_looks_for_nvcc_again(tmp_pat
         "REMEMBERED_MSDA_CUDA := 0\nREMEMBERED_CUDA_ARCHS := \nREMEMBERED_CUDA_PTX := \n")
     site, _ = pip_site(tmp_path)
     assert "CUDA kernels:  yes" in run_make(tmp_path, "info", site=site)
+
+
+# ---- the wheel's promise ------------------------------------------------------------------------
+
+def backend():
+    sys.path.insert(0, os.path.join(REPO, "pymsda"))
+    try:
+        import _build_backend
+    finally:
+        sys.path.pop(0)
+    return _build_backend
+
+
+def readelf(*args):
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf is not installed")
+    return subprocess.run(["readelf", "--wide"] + list(args) + [pymsda.library_path()],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def test_a_manylinux_tag_is_what_the_loaded_library_needs():
+    tag = backend()._platform_tag(pymsda.library_path())
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", readelf("--dynamic"))
+    if not tag.startswith("manylinux_"):
+        assert tag.startswith("linux_")
+        pytest.skip(f"not a portable library (needs {needed}): the portable one is make wheel's")
+    floor = int(re.match(r"manylinux_2_(\d+)_", tag).group(1))
+    assert floor == 28, tag  # make wheel links for glibc 2.28 (Makefile: GLIBC_FLOOR)
+    assert set(needed) <= backend().GLIBC_LIBRARIES, needed
+    glibc = [int(m) for m in re.findall(r"\bGLIBC_2\.(\d+)", readelf("--version-info"))]
+    assert glibc and max(glibc) <= floor
+    symbols = readelf("--dyn-syms")
+    exported = re.findall(r"\s(?:FUNC|OBJECT)\s+GLOBAL\s+DEFAULT\s+\d+\s+(\S+)", symbols)
+    assert exported and all(name.startswith("msda_") for name in exported), exported
+    # Undefined and unversioned: only the OpenMP entry points, bound to torch's runtime.
+    unversioned = re.findall(r"\sGLOBAL\s+DEFAULT\s+UND\s+([^@\s]+)$", symbols, re.M)
+    assert unversioned and all(re.match(r"(GOMP_|omp_)", name) for name in unversioned), unversioned
