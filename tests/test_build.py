@@ -42,9 +42,10 @@ def pip_site(tmp_path):
     return site, nvcc
 
 
-def run_make(tmp_path, *targets, site=None, env_extra=()):
+def run_make(tmp_path, *targets, site=None):
     """make in the checkout with no nvcc on the PATH nor in the toolkit folders, a scratch build
-    folder, and `site` on the Python's path."""
+    folder, and a Python that sees `site` but not its own site-packages (python -S: this
+    environment may hold pip's nvcc)."""
     path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
             if d and not os.path.exists(os.path.join(d, "nvcc"))]
     env = {k: v for k, v in os.environ.items() if k not in ("NVCC", "MSDA_CUDA", "CUDA_HOME",
@@ -52,9 +53,8 @@ def run_make(tmp_path, *targets, site=None, env_extra=()):
     env["PATH"] = os.pathsep.join(path)
     if site:
         env["PYTHONPATH"] = str(site)
-    env.update(env_extra)
     done = subprocess.run(["make", "--no-print-directory", "-C", REPO, "BUILD=" + str(tmp_path / "b"),
-                           "NVCC_FOLDERS=", "PYTHON=" + sys.executable] + list(targets),
+                           "NVCC_FOLDERS=", "PYTHON=%s -S" % sys.executable] + list(targets),
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
