@@ -15,8 +15,8 @@
 # Python version. cudart is linked statically, so the .so needs only the driver (libcuda).
 
 # Every core unless the command line says -j (nvcc's --threads 0 also compiles the architectures
-# of one file in parallel).
-ifeq ($(filter -j%,$(MAKEFLAGS)),)
+# of one file in parallel); a sub-make shares its parent's jobs.
+ifeq ($(filter -j%,$(MAKEFLAGS))$(filter-out 0,$(MAKELEVEL)),)
 MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 1)
 endif
 ifneq ($(filter clean,$(MAKECMDGOALS)),)
