@@ -1,16 +1,27 @@
 # Makefile: builds build/libpymsda.so, the C/CUDA library pymsda loads with ctypes.
-#   make                   CPU kernels always; CUDA kernels too when nvcc is found (the default
-#                          GPU list below: 3 min 55 s on 2 cores)
+#   make                   CPU kernels always; CUDA kernels too when nvcc is found (the PATH, the
+#                          usual toolkit folders, or pip's CUDA compiler: make info), for the
+#                          default GPU list below; on every core unless -j is given
 #   make CUDA_ARCHS=90     a quick build for one GPU architecture (a list: "80 90")
 #   make CUDA_ARCHS=all    every architecture from sm_75 this nvcc knows (release wheels)
 #   make MSDA_CUDA=0       force a CPU-only build
-#   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside
+#   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside:
+#                          manylinux_2_28 with zig's linker (pip install ziglang), see below
 #   make info | test | clean;  V=1 prints the compiler commands
 # A build folder remembers the MSDA_CUDA, CUDA_ARCHS and CUDA_PTX it was made with: a later
 # `make`, `make test` or `make wheel` that names none of them uses it as it is, instead of
 # rebuilding it for the defaults; naming one (or `make clean`) chooses anew.
 # No torch, ATen, c10 or pybind11 header is used: the library does not depend on any PyTorch or
 # Python version. cudart is linked statically, so the .so needs only the driver (libcuda).
+
+# Every core unless the command line says -j (nvcc's --threads 0 also compiles the architectures
+# of one file in parallel); a sub-make shares its parent's jobs.
+ifeq ($(filter -j%,$(MAKEFLAGS))$(filter-out 0,$(MAKELEVEL)),)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 1)
+endif
+ifneq ($(filter clean,$(MAKECMDGOALS)),)
+.NOTPARALLEL:  # `make clean all` cleans first
+endif
 
 BUILD    ?= build
 LIB      := $(BUILD)/libpymsda.so
@@ -31,10 +42,17 @@ ALL_LDFLAGS = $(LDFLAGS) -fopenmp
 
 # ---- what an earlier build of this folder chose -----------------------------------------------
 # (restored only when the user names none of the three, on the command line or in the environment)
+# A CPU-only build that came from a missing nvcc is no choice: it is remembered as MSDA_CUDA
+# empty, and a later `make` looks for nvcc again (a choice.mk without REMEMBERED_FORMAT predates
+# the distinction: its 0 is not restored either).
 -include $(BUILD)/choice.mk
 named := $(foreach v,MSDA_CUDA CUDA_ARCHS CUDA_PTX,$(filter command environment,$(firstword $(origin $(v)))))
 ifeq ($(strip $(named)),)
-ifdef REMEMBERED_MSDA_CUDA
+restore := $(REMEMBERED_MSDA_CUDA)
+ifeq ($(REMEMBERED_FORMAT)$(REMEMBERED_MSDA_CUDA),0)
+restore :=
+endif
+ifneq ($(restore),)
 MSDA_CUDA := $(REMEMBERED_MSDA_CUDA)
 CUDA_ARCHS := $(REMEMBERED_CUDA_ARCHS)
 CUDA_PTX := $(REMEMBERED_CUDA_PTX)
@@ -43,17 +61,25 @@ endif
 START := $(shell date +%s)
 
 # ---- CUDA detection ----------------------------------------------------------------------------
-NVCC     ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
-ifeq ($(NVCC),)
-MSDA_CUDA ?= 0
-else
-MSDA_CUDA ?= 1
+# nvcc: NVCC as given, else the PATH's, else the first of NVCC_FOLDERS, else the CUDA compiler pip
+# installs into $(PYTHON)'s environment (layout nvidia/cu13/{bin,include,lib}; `make info` says
+# the pip command). pip has no CUDA 12 compiler: nvidia-cuda-nvcc-cu12 holds ptxas and libnvvm only.
+NVCC_FOLDERS ?= /usr/local/cuda/bin $(lastword $(sort $(wildcard /usr/local/cuda-*/bin))) /opt/cuda/bin
+PIP_NVCC_PY := import glob, os, sys; found = [p for d in sys.path if d for p in sorted(glob.glob(\
+    os.path.join(d, "nvidia", "cu*", "bin", "nvcc")), reverse=True) if os.access(p, os.X_OK)]; \
+    print(found[0] if found else "")
+ifeq ($(origin NVCC),undefined)
+NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(firstword $(wildcard $(addsuffix /nvcc,$(NVCC_FOLDERS)))),$(shell $(PYTHON) -c '$(PIP_NVCC_PY)' 2>/dev/null))
 endif
+ifeq ($(origin MSDA_CUDA),undefined)
+MSDA_CUDA := $(if $(NVCC),1,0)
+NVCC_MISSING := $(if $(NVCC),,1)
+endif
+NVCC_VERSION := $(if $(NVCC),$(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))
 
 ifeq ($(MSDA_CUDA),1)
 # nvcc may be a wrapper script: ask it where its toolkit lives.
 CUDA_HOME   ?= $(realpath $(shell $(NVCC) --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$$ TOP=//p'))
-NVCC_VERSION := $(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
 NVCC_ARCHS  := $(shell $(NVCC) --list-gpu-arch 2>/dev/null | sed -n 's/^compute_\([0-9]*\)$$/\1/p' | awk '$$1 >= 75' | sort -n | tr '\n' ' ')
 # The default GPU code: machine code for each distinct GPU generation people run MSDA on, since
 # machine code of X.Y runs on every X.Z with Z >= Y: 75 (T4, RTX 20), 80 (A100, A30), 86 (RTX 30,
@@ -80,7 +106,9 @@ NVCCFLAGS   ?= -O3
 ALL_NVCCFLAGS = $(NVCCFLAGS) -std=c++17 --threads 0 -Xcompiler -fPIC,-fvisibility=hidden \
                $(GENCODE) -DMSDA_CUDA_ARCHS='"$(ARCH_LIST)"'
 CUDA_OBJS   := $(patsubst kernels/%.cu,$(BUILD)/%.o,$(wildcard kernels/*.cu kernels/instances/*.cu))
-CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcudart_static -lrt -ldl -lpthread
+# Static cudart: a toolkit's lib64 or targets/x86_64-linux/lib, pip's nvidia/cu13/lib.
+CUDA_LIBDIRS := $(wildcard $(addprefix $(CUDA_HOME)/,lib64 targets/x86_64-linux/lib lib))
+CUDA_LIBS   := $(addprefix -L,$(CUDA_LIBDIRS)) -lcudart_static -lrt -ldl -lpthread
 else
 CUDA_OBJS   := $(BUILD)/cuda_stub.o
 CUDA_LIBS   :=
@@ -109,14 +137,15 @@ $(BUILD):
 CONFIG := $(CC) $(ALL_CFLAGS) | $(MSDA_CUDA) $(NVCC) $(CUDA_ARCHS) $(ALL_NVCCFLAGS)
 $(BUILD)/config: FORCE | $(BUILD)
 	@echo '$(CONFIG)' | cmp -s - $@ || echo '$(CONFIG)' > $@
-	@printf 'REMEMBERED_MSDA_CUDA := %s\nREMEMBERED_CUDA_ARCHS := %s\nREMEMBERED_CUDA_PTX := %s\n' \
-	    '$(MSDA_CUDA)' '$(CUDA_ARCHS)' '$(CUDA_PTX)' > $(BUILD)/choice.mk
+	@printf 'REMEMBERED_MSDA_CUDA := %s\nREMEMBERED_CUDA_ARCHS := %s\nREMEMBERED_CUDA_PTX := %s\nREMEMBERED_FORMAT := 2\n' \
+	    '$(if $(NVCC_MISSING),,$(MSDA_CUDA))' '$(CUDA_ARCHS)' '$(CUDA_PTX)' > $(BUILD)/choice.mk
 FORCE:
 
 # Says what the build is about to compile (run before the first object, when any is stale).
 $(BUILD)/started: $(wildcard c/*.c c/*.h c/*.inc kernels/*.cu kernels/*.cuh kernels/instances/*.cu) $(BUILD)/config | $(BUILD)
+	@$(if $(filter 1,$(MSDA_CUDA)),$(if $(NVCC),,echo "MSDA_CUDA=1 (remembered in $(BUILD)/choice.mk?) but no nvcc found: see make info" && exit 1))
 	@touch $@
-	@echo "building $(LIB): C ($(CC))$(if $(filter 1,$(MSDA_CUDA)), and CUDA $(NVCC_VERSION) kernels for $(ARCH_LIST),; no CUDA kernels (nvcc not found or MSDA_CUDA=0))"
+	@echo "building $(LIB): C ($(CC))$(if $(filter 1,$(MSDA_CUDA)), and CUDA $(NVCC_VERSION) kernels for $(ARCH_LIST),; no CUDA kernels ($(if $(NVCC_MISSING),nvcc not found: make info says how to get it,MSDA_CUDA=$(MSDA_CUDA))))"
 	@$(if $(filter 1,$(MSDA_CUDA)),echo "  (each kernel file compiles once per target: minutes for the default list; make CUDA_ARCHS=90 builds one)")
 
 $(BUILD)/%.o: c/%.c $(wildcard c/*.h c/*.inc) $(BUILD)/config | $(BUILD) $(BUILD)/started
@@ -135,23 +164,58 @@ $(LIB): $(C_OBJS) $(CUDA_OBJS)
 	    -Wl,--exclude-libs,ALL -Wl,-z,defs -Wl,--as-needed
 	@echo "built $@ (CUDA: $(if $(filter 1,$(MSDA_CUDA)),$(ARCH_LIST),none)) in $$(( $$(date +%s) - $(START) )) s"
 
+# Without nvcc, `make info` names the pip command for the CUDA of $(PYTHON)'s torch (13.x: its own
+# version, so that pip keeps torch's pins; else 13.0) and the driver that build needs. It reads
+# torch/version.py rather than importing torch (seconds).
+CUDA_HINT_PY := import importlib.util as u, os, re; s = u.find_spec("torch"); \
+    f = os.path.join(s.submodule_search_locations[0], "version.py") if s else ""; \
+    t = open(f).read() if os.path.isfile(f) else ""; \
+    c = (re.findall(r"^cuda\b[^=\n]*=\s*[\x22\x27]([\d.]+)", t, re.M) + [""])[0]; \
+    v = (re.findall(r"^__version__\s*=\s*[\x22\x27]([^\x22\x27]+)", t, re.M) + ["?"])[0]; \
+    print("               CUDA kernels without a toolkit: pip install \"cuda-toolkit[nvcc,cccl]==%s.*\"" \
+    % (c if c.startswith("13.") else "13.0")); \
+    print("               (the library then needs NVIDIA driver 580+; %s)" % ("torch %s uses CUDA %s%s" \
+    % (v, c, "; pip has no CUDA 12 compiler: for an older driver install a CUDA 12 toolkit" \
+    if c.startswith("12.") else "") if c else "this torch has no CUDA"))
 info:
 	@echo "C compiler:    $(CC) ($(shell $(CC) -dumpfullversion 2>/dev/null || $(CC) -dumpversion))"
-	@echo "nvcc:          $(if $(NVCC),$(NVCC) (CUDA $(NVCC_VERSION)),not found)"
-	@echo "CUDA kernels:  $(if $(filter 1,$(MSDA_CUDA)),yes,no (MSDA_CUDA=$(MSDA_CUDA)))"
+	@echo "nvcc:          $(if $(NVCC),$(NVCC) (CUDA $(NVCC_VERSION)),not found ($(strip PATH, $(NVCC_FOLDERS:%=%,) $(PYTHON)'s site-packages)))"
+	@$(if $(NVCC),true,$(PYTHON) -c '$(CUDA_HINT_PY)' || true)
+	@echo "CUDA kernels:  $(if $(filter 1,$(MSDA_CUDA)),yes,no ($(if $(NVCC_MISSING),nvcc not found,MSDA_CUDA=$(MSDA_CUDA))))"
 	@echo "CUDA_HOME:     $(CUDA_HOME)"
 	@echo "architectures: $(ARCH_LIST)"
 	@echo "output:        $(LIB)"
 
 # ---- wheel -------------------------------------------------------------------------------------
-# One wheel for every Python 3 and torch version (tag py3-none-<platform>), made by the in-tree
-# PEP 517 backend from $(LIB) and pymsda/*.py: needs neither pip, setuptools nor torch, and
-# installing it (`pip install dist/pymsda-*.whl`) needs no compiler.
+# One wheel for every Python 3 and torch version, made by the in-tree PEP 517 backend from the
+# library and pymsda/*.py: needs neither pip, setuptools nor torch, and installing it needs no
+# compiler. The backend tags it by what the library needs: manylinux_2_28_<arch> for the portable
+# library below, else linux_<arch> (pymsda/_build_backend.py).
+# The portable library: the objects of $(LIB) relinked by zig's linker (pip install ziglang) against
+# glibc $(GLIBC_FLOOR)'s symbol versions, with zig's static libc++abi and libunwind, msda_* the only
+# exports, and no OpenMP library named: GOMP_* and omp_* bind to the runtime torch has loaded
+# (pymsda/_lib.py puts it in the global scope), so one OpenMP runtime serves the process whatever
+# torch calls its copy. gcc's libgcc.a goes first: the target_clones resolvers then read the
+# CPU-feature bits of the gcc that compiled them. Without zig, `make wheel` packs $(LIB) as it is.
+ifneq ($(filter wheel portable,$(MAKECMDGOALS)),)
+ZIG ?= $(shell $(PYTHON) -c 'import ziglang' 2>/dev/null && echo '$(PYTHON) -m ziglang')
+endif
+GLIBC_FLOOR  := 2.28
+PORTABLE_LIB := $(BUILD)/portable/libpymsda.so
 DIST ?= dist
-.PHONY: wheel
-wheel: $(LIB)
+.PHONY: wheel portable
+portable: $(PORTABLE_LIB)
+$(PORTABLE_LIB): $(C_OBJS) $(CUDA_OBJS)
+	@$(if $(ZIG),mkdir -p $(dir $@),echo "zig not found: pip install ziglang" && exit 1)
+	@printf '{\n  global: msda_*;\n  local: *;\n};\n' > $(dir $@)exports.map
+	$(call say,LINK  $@ (zig, glibc $(GLIBC_FLOOR)))
+	$(Q)$(ZIG) c++ -target $(shell uname -m)-linux-gnu.$(GLIBC_FLOOR) -shared -o $@ $^ $(CUDA_LIBS) -lm \
+	    $(shell $(CC) -print-libgcc-file-name) -Wl,--version-script=$(dir $@)exports.map
+
+wheel: $(if $(ZIG),$(PORTABLE_LIB),$(LIB))
 	@mkdir -p $(DIST)
-	@PYMSDA_BUILD_DIR='$(BUILD)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
+	@$(if $(ZIG),,echo "make wheel: zig not found (pip install ziglang), so the wheel carries $(LIB) as linked here")
+	@PYMSDA_BUILD_DIR='$(dir $<)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
 	    import _build_backend; print("built " + sys.argv[1] + "/" + _build_backend.build_wheel(sys.argv[1]))' $(DIST)
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -162,6 +226,8 @@ test-c: $(BUILD)/test_c_api
 	$(BUILD)/test_c_api
 
 test: $(LIB) test-c
+	@$(PYTHON) -c 'import pytest, numpy' 2>/dev/null || { echo "make test needs pytest and numpy in \
+	$(PYTHON)'s environment: pip install \".[test]\" (or pip install pytest numpy)"; exit 1; }
 	$(PYTHON) -m pytest tests -q
 
 clean:

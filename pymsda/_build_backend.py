@@ -5,6 +5,9 @@
 # An in-tree backend needs no build requirements (`requires = []`), so `pip install .` works
 # offline and with --no-build-isolation, never imports torch, and lets us tag the wheel
 # py3-none-<platform>: the library links neither Python nor torch, only the platform matters.
+# The platform tag is read from the library itself (_platform_tag): manylinux_2_<N> when it needs
+# only glibc's own libraries at symbol versions up to 2.<N> (`make wheel`'s portable link), else
+# this machine's linux_<arch>.
 # Standard library only; it must not import anything from the pymsda package.
 import base64
 import hashlib
@@ -73,14 +76,37 @@ def _metadata(project):
         return "\n".join(lines + ["Description-Content-Type: text/markdown", "", f.read()])
 
 
-def _names(project):
-    platform = re.sub(r"[-.]", "_", sysconfig.get_platform())
+def _names(project, platform=None):
+    platform = platform or re.sub(r"[-.]", "_", sysconfig.get_platform())
     base = "%s-%s" % (project["name"], project["version"])
     return base, "%s-py3-none-%s" % (base, platform), "py3-none-" + platform
 
 
-def _dist_info_files(project):
-    base, _, tag = _names(project)
+# What a manylinux library may need: glibc's own libraries (PEP 600), nothing else (no libgomp).
+GLIBC_LIBRARIES = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+                   "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"}
+MANYLINUX_FLOOR = 28  # the glibc `make wheel` links for (Makefile: GLIBC_FLOOR)
+
+
+def _platform_tag(library):
+    """manylinux_2_<N>_<arch> when the library needs only GLIBC_LIBRARIES, N the highest GLIBC
+    version it needs (at least MANYLINUX_FLOOR); else linux_<arch>. Read with binutils' readelf;
+    without it, linux_<arch>."""
+    platform = re.sub(r"[-.]", "_", sysconfig.get_platform())
+    try:
+        dynamic = subprocess.run(["readelf", "--dynamic", "--version-info", "--wide", library],
+                                 check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+    glibc = [int(minor) for minor in re.findall(r"\bGLIBC_2\.(\d+)", dynamic)]
+    if not platform.startswith("linux_") or not needed or set(needed) - GLIBC_LIBRARIES:
+        return platform
+    return "manylinux_2_%d_%s" % (max(glibc + [MANYLINUX_FLOOR]), platform[len("linux_"):])
+
+
+def _dist_info_files(project, platform=None):
+    base, _, tag = _names(project, platform)
     wheel = "Wheel-Version: 1.0\nGenerator: pymsda._build_backend\nRoot-Is-Purelib: false\nTag: %s\n" % tag
     return {base + ".dist-info/METADATA": _metadata(project).encode("utf-8"),
             base + ".dist-info/WHEEL": wheel.encode("utf-8")}
@@ -109,9 +135,9 @@ def _ensure_library():
     return library
 
 
-def _write_wheel(wheel_directory, project, files):
+def _write_wheel(wheel_directory, project, files, platform=None):
     """files: {archive name: bytes}. RECORD lists each with sha256 (urlsafe base64, no padding) and size."""
-    base, wheel_name, _ = _names(project)
+    base, wheel_name, _ = _names(project, platform)
     path = os.path.join(wheel_directory, wheel_name + ".whl")
     record = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
@@ -157,14 +183,16 @@ prepare_metadata_for_build_editable = prepare_metadata_for_build_wheel
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     project = _project()
-    files = _dist_info_files(project)
+    library = _ensure_library()
+    platform = _platform_tag(library)
+    files = _dist_info_files(project, platform)
     for directory, subdirs, names in os.walk(os.path.join(ROOT, "pymsda")):
         subdirs[:] = [d for d in subdirs if d != "__pycache__"]
         for path in [os.path.join(directory, n) for n in names if n.endswith((".py", ".json"))]:
             if path != os.path.abspath(__file__):
                 files[os.path.relpath(path, ROOT).replace(os.sep, "/")] = _read(path)
-    files["pymsda/" + LIBRARY] = _read(_ensure_library())
-    return _write_wheel(wheel_directory, project, files)
+    files["pymsda/" + LIBRARY] = _read(library)
+    return _write_wheel(wheel_directory, project, files, platform)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):

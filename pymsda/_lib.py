@@ -5,6 +5,11 @@ Search order: the PYMSDA_LIBRARY environment variable, then the copy installed i
 package, then the build folder of a source checkout (../build next to this package). A failure
 raises ImportError that names every path tried and why it was refused.
 
+OpenMP: the library of a wheel names no OpenMP library; its GOMP_* and omp_* symbols bind to the
+runtime torch has already loaded, which load() first puts into the global symbol scope. So the
+process keeps one OpenMP runtime whatever torch calls its copy (torch/lib/libgomp.so.1, a hashed
+libgomp-*.so.1, LLVM's libomp, which serves the GOMP_ entry points too).
+
 The lowest layer of the package: it imports nothing of pymsda but _torch_private.
 """
 import ctypes
@@ -158,8 +163,28 @@ def _open(path):
     return lib
 
 
+def _share_openmp_runtime():
+    """Loads the OpenMP runtime mapped in this process (GNU's first) with RTLD_GLOBAL, or, when
+    none is, the system's libgomp.so.1 (what a build-folder library names anyway)."""
+    mapped = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(None, 5)[5].strip() if line.count(" ") >= 5 else ""
+                if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")):
+                    mapped.append(path)
+    except (OSError, IndexError):
+        pass
+    mapped.sort(key=lambda path: not os.path.basename(path).startswith("libgomp"))
+    try:
+        ctypes.CDLL(mapped[0] if mapped else "libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass  # a library that needs it then fails to load, naming the missing symbol
+
+
 def load():
     """Returns (ctypes library, path) or raises ImportError naming every path tried."""
+    _share_openmp_runtime()
     tried = []
     for origin, path in candidate_paths():
         if not os.path.exists(path):

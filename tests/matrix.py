@@ -9,7 +9,7 @@ tests/ (and the sources they read) taken with the wheel, so both are of one mome
 checkout. Prints a table and exits nonzero if any environment failed.
 
     python tests/matrix.py                                   # 2.13.0 2.14.1 debian 1.13.1@3.8
-    python tests/matrix.py --torch 2.13.0 --wheel dist/pymsda-0.1.0-py3-none-linux_x86_64.whl
+    python tests/matrix.py --torch 2.13.0 --wheel dist/pymsda-0.1.0-py3-none-manylinux_2_28_x86_64.whl
     python tests/matrix.py --torch 1.13.1@3.8                # torch from pip for pyenv's 3.8
     python tests/matrix.py --here --wheel dist/pymsda-*.whl  # this python, no venv, no registry
 
