@@ -91,6 +91,15 @@ def run_msda(inputs, **overrides):
     return pymsda.ms_deform_attn(**args)
 
 
+def forward_and_grads(inputs, grad_output):
+    """The op's output and its gradients for grad_output (in GRAD_NAMES order), taken on
+    detached copies of the inputs."""
+    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
+    out = run_msda(inputs, **leaves)
+    out.backward(grad_output)
+    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
+
+
 def random_grad_output(generator, like):
     grad = torch.randn(like.shape, generator=generator, dtype=torch.float64)
     return grad.to(device=like.device, dtype=like.dtype)
@@ -156,6 +165,20 @@ def assert_close_rel(actual, expected, bound, what):
     error = rel_l2(actual, expected)
     assert error < bound, f"{what}: rel L2 error {error:.3e} >= {bound:.3e}"
     return error
+
+
+# ---- the small problem ---------------------------------------------------------------------------
+# Two levels, S = 26: the problem the input, table, non-finite and empty-problem tests perturb,
+# small enough to pick a point or a table entry by hand.
+SMALL_SHAPES = [(4, 5), (3, 2)]
+SMALL_SIZES = (2, 3, 2, 4, 2, 3)  # B, Q, H, C, L, P
+
+
+def small_inputs(generator, device="cpu", dtype=torch.float32, **options):
+    """make_inputs of the small problem; options as make_inputs takes them."""
+    B, Q, H, C, _, P = SMALL_SIZES
+    return make_inputs(generator, B, Q, H, C, SMALL_SHAPES, P, dtype=dtype, device=device,
+                       **options)
 
 
 

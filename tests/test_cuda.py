@@ -9,24 +9,15 @@ import torch
 import pymsda
 from pymsda.reference import ms_deform_attn_pytorch
 from conftest import requires_cuda, requires_two_gpus
-from factories import (GRAD_NAMES, TABLE_CHANGES, change_tables, make_inputs,
-                       oracle_backward, oracle_forward, random_grad_output,
+from factories import (GRAD_NAMES, TABLE_CHANGES, change_tables, forward_and_grads,
+                       make_inputs, oracle_backward, oracle_forward, random_grad_output,
                        random_level_shapes, rel_l2, run_msda)
 
 pytestmark = requires_cuda
 
 
-
-
 def moved(inputs, device):
     return {k: v.to(device) for k, v in inputs.items()}
-
-
-def forward_and_grads(inputs, grad_output):
-    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
-    out = run_msda(inputs, **leaves)
-    out.backward(grad_output)
-    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
 
 
 def small_case(generator):

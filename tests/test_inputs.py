@@ -9,17 +9,15 @@ import torch
 
 import pymsda
 from conftest import requires_cuda
-from factories import (TABLE_CHANGES, change_tables, make_inputs, oracle_forward, rel_l2,
-                       run_msda)
+from factories import (SMALL_SHAPES as SHAPES, SMALL_SIZES, TABLE_CHANGES, change_tables,
+                       make_inputs, oracle_forward, rel_l2, run_msda, small_inputs)
 
-SHAPES = [(4, 5), (3, 2)]  # S = 26
-B, Q, H, C, L, P = 2, 3, 2, 4, 2, 3
+B, Q, H, C, L, P = SMALL_SIZES
 
 
 @pytest.fixture
 def inputs(generator):
-    return make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
-
+    return small_inputs(generator)
 
 
 def test_valid_inputs_work(inputs):
@@ -158,7 +156,7 @@ def test_non_positive_level_size_raises(generator, shapes):
 # still refuse tables that stop matching value.
 
 def test_host_tables_changed_between_calls_are_seen(generator):
-    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    inputs = small_inputs(generator)
     shapes, starts = inputs["spatial_shapes"].clone(), inputs["level_start_index"].clone()
     for _ in range(2):
         assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=starts),
@@ -176,7 +174,7 @@ def test_host_tables_changed_between_calls_are_seen(generator):
 
 
 def test_host_tables_seen_before_still_refuse_another_value(generator):
-    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    inputs = small_inputs(generator)
     run_msda(inputs)
     with pytest.raises(ValueError, match="spatial_shapes|value"):
         run_msda(inputs, value=inputs["value"][:, :-1])
@@ -187,7 +185,7 @@ def test_host_tables_seen_before_still_refuse_another_value(generator):
 
 
 def test_tables_made_in_inference_mode_work(generator):
-    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    inputs = small_inputs(generator)
     with torch.inference_mode():
         tables = dict(spatial_shapes=torch.tensor(SHAPES),
                       level_start_index=torch.tensor([0, 20]))

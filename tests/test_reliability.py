@@ -21,23 +21,12 @@ import torch
 import pymsda
 from pymsda import _lib
 from conftest import DEVICES, requires_cuda
-from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
-                       random_grad_output, rel_l2, run_msda)
+from factories import (GRAD_NAMES, SMALL_SHAPES as SHAPES, SMALL_SIZES, forward_and_grads,
+                       make_inputs, oracle_backward, oracle_forward, random_grad_output, rel_l2,
+                       run_msda, small_inputs as base_inputs)
 
-SHAPES = [(4, 5), (3, 2)]  # S = 26
 S = 26
-B, Q, H, C, L, P = 2, 3, 2, 4, 2, 3
-
-
-def base_inputs(generator, device, dtype=torch.float32, **kw):
-    return make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=dtype, device=device, **kw)
-
-
-def forward_and_grads(inputs, grad_output):
-    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
-    out = run_msda(inputs, **leaves)
-    out.backward(grad_output)
-    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
+B, Q, H, C, L, P = SMALL_SIZES
 
 
 # ---- the bad-input matrix ---------------------------------------------------------------------
