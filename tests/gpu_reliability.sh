@@ -5,10 +5,11 @@
 #
 # Steps (each with its own time limit; the whole took 4 minutes on an H100, its limits add up to
 # 9.5 minutes):
-#   1 plain     tests/test_reliability.py, tests/test_threads.py and tests/test_large_problems.py
-#               without a sanitizer: the CUDA bad-input matrix, non-finite input, validation, two
-#               threads on two streams, and every backward route at the 32-bit limits in
-#               NaN-filled memory (the `huge` tests: tens of GB of GPU memory).
+#   1 plain     tests/test_inputs.py, tests/test_reliability.py, tests/test_threads.py and
+#               tests/test_large_problems.py without a sanitizer: the CUDA bad-input matrix,
+#               non-finite input, validation, two threads on two streams, and every backward
+#               route at the 32-bit limits in NaN-filled memory (the `huge` tests: tens of GB of
+#               GPU memory).
 #   2 memcheck  compute-sanitizer memcheck over the lying device-side shape tables
 #               (-k "lying and cuda"): proves no read or write outside the tensors.
 #   3 memcheck  over the CUDA test suite (-k "cuda"; tests/test_routes.py reaches every backward
@@ -173,7 +174,7 @@ run_step() {  # name limit kind(plain|memcheck|racecheck|synccheck) command...
 
 unset PYTORCH_NO_CUDA_MEMORY_CACHING  # torch disables caching when it is set at all
 run_step plain "${LIMITS[0]}" plain \
-    "$PYTHON" -m pytest tests/test_reliability.py tests/test_threads.py \
+    "$PYTHON" -m pytest tests/test_inputs.py tests/test_reliability.py tests/test_threads.py \
     tests/test_large_problems.py -q -p no:cacheprovider -rs
 
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
