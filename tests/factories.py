@@ -167,7 +167,7 @@ def assert_close_rel(actual, expected, bound, what):
     return error
 
 
-# ---- the small problem ---------------------------------------------------------------------------
+# ---- the small problem --------------------------------------------------------------------------
 # Two levels, S = 26: the problem the input, table, non-finite and empty-problem tests perturb,
 # small enough to pick a point or a table entry by hand.
 SMALL_SHAPES = [(4, 5), (3, 2)]
