@@ -172,8 +172,7 @@ run_step() {  # name limit kind(plain|memcheck|racecheck|synccheck) command...
 }
 
 STEP1=(tests/test_inputs.py tests/test_unusual_tensors.py tests/test_non_finite.py
-       tests/test_lying_tables.py tests/test_reliability.py tests/test_threads.py
-       tests/test_large_problems.py
+       tests/test_lying_tables.py tests/test_threads.py tests/test_large_problems.py
        tests/test_library.py::test_c_library_refuses_sizes_it_cannot_index
        tests/test_library.py::test_c_library_refuses_a_thread_count_openmp_would_abort_on
        tests/test_library.py::test_c_library_refuses_misaligned_pointers)
