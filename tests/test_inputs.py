@@ -27,211 +27,7 @@ def test_valid_inputs_work(inputs):
     assert rel_l2(run_msda(inputs), oracle_forward(inputs)) < 1e-6
 
 
-# ---- dtypes: TypeError -------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name,bad", [
-    ("value", lambda t: t.to(torch.int32)),
-    ("value", lambda t: t.to(torch.int64)),
-    ("value", lambda t: t.to(torch.bool)),
-    ("spatial_shapes", lambda t: t.to(torch.float32)),
-    ("spatial_shapes", lambda t: t.to(torch.float64)),
-    ("spatial_shapes", lambda t: t.to(torch.int16)),
-    ("level_start_index", lambda t: t.to(torch.float32)),
-    ("sampling_locations", lambda t: t.to(torch.int64)),
-    ("attention_weights", lambda t: t.to(torch.int32)),
-], ids=["value_int32", "value_int64", "value_bool", "shapes_f32", "shapes_f64", "shapes_int16",
-        "start_index_f32", "locations_int64", "weights_int32"])
-def test_wrong_dtype_raises_type_error_naming_argument(inputs, name, bad):
-    with pytest.raises(TypeError, match=name):
-        run_msda(inputs, **{name: bad(inputs[name])})
-
-
-# ---- ndim: ValueError --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name,bad", [
-    ("value", lambda t: t.reshape(B, -1, C)),
-    ("value", lambda t: t.unsqueeze(0)),
-    ("spatial_shapes", lambda t: t.reshape(-1)),
-    ("spatial_shapes", lambda t: t.unsqueeze(0)),
-    ("level_start_index", lambda t: t.unsqueeze(0)),
-    ("sampling_locations", lambda t: t.reshape(B, Q, H, L, -1)),
-    ("sampling_locations", lambda t: t.unsqueeze(0)),
-    ("attention_weights", lambda t: t.reshape(B, Q, H, -1)),
-    ("attention_weights", lambda t: t.unsqueeze(-1)),
-], ids=["value_3d", "value_5d", "shapes_1d", "shapes_3d", "start_index_2d", "locations_5d",
-        "locations_7d", "weights_4d", "weights_6d"])
-def test_wrong_ndim_raises_value_error_naming_argument(inputs, name, bad):
-    with pytest.raises(ValueError, match=name):
-        run_msda(inputs, **{name: bad(inputs[name])})
-
-
-@pytest.mark.parametrize("name,layout", [("value", "(B, S, H, C)"),
-                                         ("sampling_locations", "(B, Q, H, L, P, 2)"),
-                                         ("attention_weights", "(B, Q, H, L, P)")])
-def test_wrong_ndim_message_gives_the_expected_layout(inputs, name, layout):
-    flat = inputs[name].flatten(-2)  # one dimension short
-    with pytest.raises(ValueError) as raised:
-        run_msda(inputs, **{name: flat})
-    assert str(raised.value).startswith(f"{name} must have {inputs[name].dim()} dimensions "
-                                        f"{layout}, got shape {tuple(flat.shape)}")
-
-
-# ---- mismatched sizes: ValueError --------------------------------------------------------------
-
-def _resize(tensor, dim, size):
-    """tensor with dimension `dim` changed to `size`. Only shapes matter here; index tensors get
-    plausible positive entries (2) so that nothing but the size is wrong about them."""
-    shape = list(tensor.shape)
-    shape[dim] = size
-    if tensor.is_floating_point():
-        return torch.rand(shape, dtype=tensor.dtype)
-    return torch.full(shape, 2, dtype=tensor.dtype)
-
-
-@pytest.mark.parametrize("name,dim,size,pattern", [
-    ("sampling_locations", 0, B + 1, "sampling_locations|value"),          # B
-    ("attention_weights", 0, B + 1, "attention_weights|sampling_locations|value"),
-    ("sampling_locations", 2, H + 1, "sampling_locations|value"),          # H
-    ("attention_weights", 2, H + 1, "attention_weights|sampling_locations|value"),
-    ("sampling_locations", 3, L + 1, "sampling_locations|spatial_shapes"),  # L
-    ("attention_weights", 3, L + 1, "attention_weights|sampling_locations|spatial_shapes"),
-    ("sampling_locations", 5, 3, "sampling_locations"),                    # (x, y)
-    ("sampling_locations", 5, 1, "sampling_locations"),
-    ("attention_weights", 1, Q + 1, "attention_weights|sampling_locations"),  # Q
-    ("attention_weights", 4, P + 1, "attention_weights|sampling_locations"),  # P
-    ("value", 0, B + 1, "value|sampling_locations|attention_weights"),
-    ("value", 2, H + 1, "value|sampling_locations|attention_weights"),
-    ("spatial_shapes", 1, 3, "spatial_shapes"),                             # rows not pairs
-    ("spatial_shapes", 0, L + 1, "spatial_shapes|sampling_locations|level_start_index"),
-    ("level_start_index", 0, L + 1, "level_start_index"),
-    ("level_start_index", 0, L - 1, "level_start_index"),
-], ids=["locations_B", "weights_B", "locations_H", "weights_H", "locations_L", "weights_L",
-        "locations_xyz", "locations_x", "weights_Q", "weights_P", "value_B", "value_H",
-        "shapes_3_columns", "shapes_L", "start_index_long", "start_index_short"])
-def test_mismatched_sizes_raise_value_error_naming_argument(inputs, name, dim, size, pattern):
-    bad = _resize(inputs[name], dim, size)
-    with pytest.raises(ValueError, match=pattern):
-        run_msda(inputs, **{name: bad})
-
-
-# ---- inconsistent level sizes: ValueError ------------------------------------------------------
-
-def test_sum_of_level_sizes_not_S_raises(inputs):
-    with pytest.raises(ValueError, match="spatial_shapes|value"):
-        run_msda(inputs, spatial_shapes=torch.tensor([(4, 5), (3, 3)]),
-             level_start_index=torch.tensor([0, 20]))
-    with pytest.raises(ValueError, match="spatial_shapes|value"):
-        run_msda(inputs, value=inputs["value"][:, :-1])
-
-
-def test_sum_of_level_sizes_not_S_raises_for_list_shapes(inputs):
-    with pytest.raises(ValueError, match="spatial_shapes|value"):
-        run_msda(inputs, spatial_shapes=[(4, 5), (2, 2)], level_start_index=None)
-
-
-@pytest.mark.parametrize("starts", [[0, 19], [0, 21], [1, 21], [20, 0]])
-def test_inconsistent_level_start_index_raises(inputs, starts):
-    with pytest.raises(ValueError, match="level_start_index"):
-        run_msda(inputs, level_start_index=torch.tensor(starts))
-
-
-@pytest.mark.parametrize("shapes", [[(0, 5), (3, 2)], [(4, 5), (3, 0)], [(-1, 5), (3, 2)],
-                                    [(4, -5), (3, 2)]], ids=["zero_h", "zero_w", "neg_h",
-                                                             "neg_w"])
-def test_non_positive_level_size_raises(generator, shapes):
-    # The value is sized to sum(H*W) of the given rows where that is positive, so only the
-    # non-positive size itself is wrong.
-    total = max(sum(h * w for h, w in shapes), 1)
-    inputs = make_inputs(generator, B, Q, H, C, [(1, total)], P, dtype=torch.float32)
-    locations = torch.rand(B, Q, H, 2, P, 2)
-    weights = torch.rand(B, Q, H, 2, P)
-    with pytest.raises(ValueError, match="spatial_shapes"):
-        pymsda.ms_deform_attn(inputs["value"], torch.tensor(shapes), None, locations, weights)
-    with pytest.raises(ValueError, match="spatial_shapes"):
-        pymsda.ms_deform_attn(inputs["value"], shapes, None, locations, weights)
-
-
-# ---- tables passed again: remembered, never stale -----------------------------------------------
-# The op remembers the level tables of a spatial_shapes / level_start_index pair of tensors it
-# has seen; calls that pass the same tensors again must still follow any change of their
-# numbers (in place, through .data, which leaves the version counter alone, or by .data =) and
-# still refuse tables that stop matching value.
-
-def test_host_tables_changed_between_calls_are_seen(generator):
-    inputs = small_inputs(generator)
-    shapes, starts = inputs["spatial_shapes"].clone(), inputs["level_start_index"].clone()
-    for _ in range(2):
-        assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=starts),
-                      oracle_forward(inputs)) < 1e-6
-    for new, how in zip(([(5, 4), (2, 3)], [(2, 10), (6, 1)], [(1, 20), (1, 6)]),
-                        TABLE_CHANGES):
-        change_tables(shapes, starts, new, how)
-        expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
-        for level_start_index in (starts, None):
-            out = run_msda(inputs, spatial_shapes=shapes, level_start_index=level_start_index)
-            assert rel_l2(out, expected) < 1e-6, (how, level_start_index)
-    starts.data.copy_(torch.tensor([0, 19]))
-    with pytest.raises(ValueError, match="level_start_index"):
-        run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)
-
-
-def test_host_tables_seen_before_still_refuse_another_value(generator):
-    inputs = small_inputs(generator)
-    run_msda(inputs)
-    with pytest.raises(ValueError, match="spatial_shapes|value"):
-        run_msda(inputs, value=inputs["value"][:, :-1])
-    three_levels = torch.rand(B, Q, H, L + 1, P, 2)
-    with pytest.raises(ValueError, match="spatial_shapes|sampling_locations"):
-        run_msda(inputs, sampling_locations=three_levels,
-                 attention_weights=torch.rand(B, Q, H, L + 1, P))
-
-
-def test_tables_made_in_inference_mode_work(generator):
-    inputs = small_inputs(generator)
-    with torch.inference_mode():
-        tables = dict(spatial_shapes=torch.tensor(SHAPES),
-                      level_start_index=torch.tensor([0, 20]))
-        for _ in range(2):
-            assert rel_l2(run_msda(inputs, **tables), oracle_forward(inputs)) < 1e-6
-    for _ in range(2):
-        assert rel_l2(run_msda(inputs, **tables), oracle_forward(inputs)) < 1e-6
-
-
-@pytest.mark.parametrize("shapes", [[(4, 5, 1), (3, 2, 1)], [4, 5], [(4,), (3,)]],
-                         ids=["triples", "flat", "singles"])
-def test_list_shapes_not_pairs_raise(inputs, shapes):
-    with pytest.raises((ValueError, TypeError), match="spatial_shapes"):
-        run_msda(inputs, spatial_shapes=shapes, level_start_index=None)
-
-
-def test_errors_leave_the_op_usable(inputs):
-    # A refused call must not poison later calls (per-thread error state, no global damage).
-    with pytest.raises(ValueError):
-        run_msda(inputs, sampling_locations=inputs["sampling_locations"][..., :1])
-    assert rel_l2(run_msda(inputs), oracle_forward(inputs)) < 1e-6
-
-
-def test_function_apply_validates_too(inputs):
-    with pytest.raises(ValueError, match="sampling_locations"):
-        pymsda.MSDeformAttnFunction.apply(
-            inputs["value"], inputs["spatial_shapes"], inputs["level_start_index"],
-            inputs["sampling_locations"].unsqueeze(0), inputs["attention_weights"], 64)
-
-
-# ---- devices: ValueError -----------------------------------------------------------------------
-
-@requires_cuda
-@pytest.mark.parametrize("name", ["value", "sampling_locations", "attention_weights"])
-def test_device_mismatch_raises_value_error_naming_argument(inputs, name):
-    on_cuda = {k: (v.cuda() if k in ("value", "sampling_locations", "attention_weights") else v)
-               for k, v in inputs.items()}
-    on_cuda[name] = inputs[name]  # this one stays on the CPU
-    with pytest.raises(ValueError, match=name if name != "value" else
-                       "value|sampling_locations|attention_weights"):
-        run_msda(on_cuda)
-
-
-# ---- the bad-input matrix ---------------------------------------------------------------------
+# ---- the bad-input matrix: every call on the CPU and on CUDA, a valid call after it ----------
 
 def _resized(t, dim, size):
     """t with dimension `dim` changed to `size`, same dtype and device."""
@@ -392,6 +188,191 @@ def test_bad_input_is_refused_naming_the_argument(generator, device, name, overr
     if device == "cuda":
         torch.cuda.synchronize()
     assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+# ---- dtypes: TypeError (beyond the matrix's cases) ---------------------------------------------
+
+@pytest.mark.parametrize("name,bad", [
+    ("value", lambda t: t.to(torch.int64)),
+    ("spatial_shapes", lambda t: t.to(torch.float64)),
+    ("spatial_shapes", lambda t: t.to(torch.int16)),
+    ("level_start_index", lambda t: t.to(torch.float32)),
+    ("attention_weights", lambda t: t.to(torch.int32)),
+], ids=["value_int64", "shapes_f64", "shapes_int16", "start_index_f32", "weights_int32"])
+def test_wrong_dtype_raises_type_error_naming_argument(inputs, name, bad):
+    with pytest.raises(TypeError, match=name):
+        run_msda(inputs, **{name: bad(inputs[name])})
+
+
+# ---- ndim: ValueError (beyond the matrix's cases) ----------------------------------------------
+
+@pytest.mark.parametrize("name,bad", [
+    ("value", lambda t: t.reshape(B, -1, C)),
+    ("spatial_shapes", lambda t: t.unsqueeze(0)),
+    ("sampling_locations", lambda t: t.reshape(B, Q, H, L, -1)),
+    ("sampling_locations", lambda t: t.unsqueeze(0)),
+    ("attention_weights", lambda t: t.reshape(B, Q, H, -1)),
+], ids=["value_3d", "shapes_3d", "locations_5d", "locations_7d", "weights_4d"])
+def test_wrong_ndim_raises_value_error_naming_argument(inputs, name, bad):
+    with pytest.raises(ValueError, match=name):
+        run_msda(inputs, **{name: bad(inputs[name])})
+
+
+@pytest.mark.parametrize("name,layout", [("value", "(B, S, H, C)"),
+                                         ("sampling_locations", "(B, Q, H, L, P, 2)"),
+                                         ("attention_weights", "(B, Q, H, L, P)")])
+def test_wrong_ndim_message_gives_the_expected_layout(inputs, name, layout):
+    flat = inputs[name].flatten(-2)  # one dimension short
+    with pytest.raises(ValueError) as raised:
+        run_msda(inputs, **{name: flat})
+    assert str(raised.value).startswith(f"{name} must have {inputs[name].dim()} dimensions "
+                                        f"{layout}, got shape {tuple(flat.shape)}")
+
+
+# ---- mismatched sizes: ValueError (beyond the matrix's cases) ----------------------------------
+
+def _resize(tensor, dim, size):
+    """tensor with dimension `dim` changed to `size`. Only shapes matter here; index tensors get
+    plausible positive entries (2) so that nothing but the size is wrong about them."""
+    shape = list(tensor.shape)
+    shape[dim] = size
+    if tensor.is_floating_point():
+        return torch.rand(shape, dtype=tensor.dtype)
+    return torch.full(shape, 2, dtype=tensor.dtype)
+
+
+@pytest.mark.parametrize("name,dim,size,pattern", [
+    ("sampling_locations", 2, H + 1, "sampling_locations|value"),          # H
+    ("sampling_locations", 3, L + 1, "sampling_locations|spatial_shapes"),  # L
+    ("sampling_locations", 5, 1, "sampling_locations"),                    # (x, y)
+    ("value", 0, B + 1, "value|sampling_locations|attention_weights"),
+    ("spatial_shapes", 1, 3, "spatial_shapes"),                             # rows not pairs
+    ("spatial_shapes", 0, L + 1, "spatial_shapes|sampling_locations|level_start_index"),
+    ("level_start_index", 0, L + 1, "level_start_index"),
+    ("level_start_index", 0, L - 1, "level_start_index"),
+], ids=["locations_H", "locations_L", "locations_x", "value_B", "shapes_3_columns", "shapes_L",
+        "start_index_long", "start_index_short"])
+def test_mismatched_sizes_raise_value_error_naming_argument(inputs, name, dim, size, pattern):
+    bad = _resize(inputs[name], dim, size)
+    with pytest.raises(ValueError, match=pattern):
+        run_msda(inputs, **{name: bad})
+
+
+# ---- inconsistent level sizes: ValueError ------------------------------------------------------
+
+def test_sum_of_level_sizes_not_S_raises(inputs):
+    with pytest.raises(ValueError, match="spatial_shapes|value"):
+        run_msda(inputs, spatial_shapes=torch.tensor([(4, 5), (3, 3)]),
+             level_start_index=torch.tensor([0, 20]))
+    with pytest.raises(ValueError, match="spatial_shapes|value"):
+        run_msda(inputs, value=inputs["value"][:, :-1])
+
+
+def test_sum_of_level_sizes_not_S_raises_for_list_shapes(inputs):
+    with pytest.raises(ValueError, match="spatial_shapes|value"):
+        run_msda(inputs, spatial_shapes=[(4, 5), (2, 2)], level_start_index=None)
+
+
+@pytest.mark.parametrize("starts", [[0, 21], [1, 21], [20, 0]])  # [0, 19]: in the matrix
+def test_inconsistent_level_start_index_raises(inputs, starts):
+    with pytest.raises(ValueError, match="level_start_index"):
+        run_msda(inputs, level_start_index=torch.tensor(starts))
+
+
+@pytest.mark.parametrize("shapes", [[(0, 5), (3, 2)], [(4, 5), (3, 0)], [(-1, 5), (3, 2)],
+                                    [(4, -5), (3, 2)]], ids=["zero_h", "zero_w", "neg_h",
+                                                             "neg_w"])
+def test_non_positive_level_size_raises(generator, shapes):
+    # The value is sized to sum(H*W) of the given rows where that is positive, so only the
+    # non-positive size itself is wrong.
+    total = max(sum(h * w for h, w in shapes), 1)
+    inputs = make_inputs(generator, B, Q, H, C, [(1, total)], P, dtype=torch.float32)
+    locations = torch.rand(B, Q, H, 2, P, 2)
+    weights = torch.rand(B, Q, H, 2, P)
+    with pytest.raises(ValueError, match="spatial_shapes"):
+        pymsda.ms_deform_attn(inputs["value"], torch.tensor(shapes), None, locations, weights)
+    with pytest.raises(ValueError, match="spatial_shapes"):
+        pymsda.ms_deform_attn(inputs["value"], shapes, None, locations, weights)
+
+
+# ---- tables passed again: remembered, never stale -----------------------------------------------
+# The op remembers the level tables of a spatial_shapes / level_start_index pair of tensors it
+# has seen; calls that pass the same tensors again must still follow any change of their
+# numbers (in place, through .data, which leaves the version counter alone, or by .data =) and
+# still refuse tables that stop matching value.
+
+def test_host_tables_changed_between_calls_are_seen(generator):
+    inputs = small_inputs(generator)
+    shapes, starts = inputs["spatial_shapes"].clone(), inputs["level_start_index"].clone()
+    for _ in range(2):
+        assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=starts),
+                      oracle_forward(inputs)) < 1e-6
+    for new, how in zip(([(5, 4), (2, 3)], [(2, 10), (6, 1)], [(1, 20), (1, 6)]),
+                        TABLE_CHANGES):
+        change_tables(shapes, starts, new, how)
+        expected = oracle_forward(dict(inputs, spatial_shapes=torch.tensor(new)))
+        for level_start_index in (starts, None):
+            out = run_msda(inputs, spatial_shapes=shapes, level_start_index=level_start_index)
+            assert rel_l2(out, expected) < 1e-6, (how, level_start_index)
+    starts.data.copy_(torch.tensor([0, 19]))
+    with pytest.raises(ValueError, match="level_start_index"):
+        run_msda(inputs, spatial_shapes=shapes, level_start_index=starts)
+
+
+def test_host_tables_seen_before_still_refuse_another_value(generator):
+    inputs = small_inputs(generator)
+    run_msda(inputs)
+    with pytest.raises(ValueError, match="spatial_shapes|value"):
+        run_msda(inputs, value=inputs["value"][:, :-1])
+    three_levels = torch.rand(B, Q, H, L + 1, P, 2)
+    with pytest.raises(ValueError, match="spatial_shapes|sampling_locations"):
+        run_msda(inputs, sampling_locations=three_levels,
+                 attention_weights=torch.rand(B, Q, H, L + 1, P))
+
+
+def test_tables_made_in_inference_mode_work(generator):
+    inputs = small_inputs(generator)
+    with torch.inference_mode():
+        tables = dict(spatial_shapes=torch.tensor(SHAPES),
+                      level_start_index=torch.tensor([0, 20]))
+        for _ in range(2):
+            assert rel_l2(run_msda(inputs, **tables), oracle_forward(inputs)) < 1e-6
+    for _ in range(2):
+        assert rel_l2(run_msda(inputs, **tables), oracle_forward(inputs)) < 1e-6
+
+
+@pytest.mark.parametrize("shapes", [[(4, 5, 1), (3, 2, 1)], [4, 5], [(4,), (3,)]],
+                         ids=["triples", "flat", "singles"])
+def test_list_shapes_not_pairs_raise(inputs, shapes):
+    with pytest.raises((ValueError, TypeError), match="spatial_shapes"):
+        run_msda(inputs, spatial_shapes=shapes, level_start_index=None)
+
+
+def test_errors_leave_the_op_usable(inputs):
+    # A refused call must not poison later calls (per-thread error state, no global damage).
+    with pytest.raises(ValueError):
+        run_msda(inputs, sampling_locations=inputs["sampling_locations"][..., :1])
+    assert rel_l2(run_msda(inputs), oracle_forward(inputs)) < 1e-6
+
+
+def test_function_apply_validates_too(inputs):
+    with pytest.raises(ValueError, match="sampling_locations"):
+        pymsda.MSDeformAttnFunction.apply(
+            inputs["value"], inputs["spatial_shapes"], inputs["level_start_index"],
+            inputs["sampling_locations"].unsqueeze(0), inputs["attention_weights"], 64)
+
+
+# ---- devices: ValueError -----------------------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["value", "sampling_locations", "attention_weights"])
+def test_device_mismatch_raises_value_error_naming_argument(inputs, name):
+    on_cuda = {k: (v.cuda() if k in ("value", "sampling_locations", "attention_weights") else v)
+               for k, v in inputs.items()}
+    on_cuda[name] = inputs[name]  # this one stays on the CPU
+    with pytest.raises(ValueError, match=name if name != "value" else
+                       "value|sampling_locations|attention_weights"):
+        run_msda(on_cuda)
 
 
 @requires_cuda
