@@ -1,6 +1,6 @@
 """tests/test_cuda.py: what only the CUDA path can get wrong: agreement with the CPU path, the
-current (non-default) stream, a second GPU, CUDA graph capture, no host-device synchronisation,
-and a Deformable-DETR-sized case. Everything here skips without a GPU (conftest.requires_cuda);
+current (non-default) stream, CUDA graph capture, no host-device synchronisation, and a
+Deformable-DETR-sized case (a second GPU: tests/test_multigpu.py). Everything here skips without a GPU (conftest.requires_cuda);
 accuracy per dtype on CUDA is covered by the "cuda" cases of test_forward/test_backward.
 """
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 import pymsda
 from pymsda.reference import ms_deform_attn_pytorch
-from conftest import requires_cuda, requires_two_gpus
+from conftest import requires_cuda
 from factories import (GRAD_NAMES, TABLE_CHANGES, change_tables, forward_and_grads,
                        make_inputs, oracle_backward, oracle_forward, random_grad_output,
                        random_level_shapes, rel_l2, run_msda)
@@ -63,38 +63,6 @@ def test_forward_and_backward_run_on_the_current_stream(generator):
     assert rel_l2(out, oracle_forward(expected_inputs)) < 1e-6
     grad_value = oracle_backward(expected_inputs, grad_output)[0]
     assert rel_l2(value.grad, grad_value) < 1e-5
-
-
-@requires_two_gpus
-def test_second_gpu_forward_and_backward(generator):
-    torch.cuda.set_device(0)
-    inputs = make_inputs(generator, **small_case(generator), device="cuda:1", kink_free=True)
-    grad_output = random_grad_output(generator, run_msda(inputs))
-    out, grads = forward_and_grads(inputs, grad_output)
-    assert out.device == torch.device("cuda:1")
-    assert torch.cuda.current_device() == 0  # the caller's device is restored
-    assert rel_l2(out, oracle_forward(inputs)) < 1e-12
-    for name, g, e in zip(GRAD_NAMES, grads, oracle_backward(inputs, grad_output)):
-        assert g.device == torch.device("cuda:1"), name
-        assert rel_l2(g, e) < 1e-11, name
-
-
-@requires_two_gpus
-def test_second_gpu_on_its_current_stream(generator):
-    inputs = make_inputs(generator, **small_case(generator), dtype=torch.float32,
-                         device="cuda:1")
-    new_value = torch.randn(inputs["value"].shape, generator=generator).to("cuda:1")
-    with torch.cuda.device(1):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            _sleep_on_current_stream()
-            value = inputs["value"].clone()
-            value.copy_(new_value)
-            out = run_msda(inputs, value=value)
-        torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize(1)
-    assert rel_l2(out, oracle_forward(dict(inputs, value=new_value))) < 1e-6
 
 
 @pytest.mark.caching_allocator  # (without it, freeing a tensor is a synchronising cudaFree)
