@@ -1,6 +1,6 @@
 """tests/test_cuda.py: what only the CUDA path can get wrong: agreement with the CPU path, the
-current (non-default) stream, CUDA graph capture, no host-device synchronisation, and a
-Deformable-DETR-sized case (a second GPU: tests/test_multigpu.py). Everything here skips without a GPU (conftest.requires_cuda);
+current (non-default) stream, no host-device synchronisation, and a Deformable-DETR-sized case
+(a second GPU: tests/test_multigpu.py; CUDA graphs: tests/test_cuda_graphs.py). Everything here skips without a GPU (conftest.requires_cuda);
 accuracy per dtype on CUDA is covered by the "cuda" cases of test_forward/test_backward.
 """
 import pytest
@@ -81,28 +81,6 @@ def test_forward_and_backward_do_not_synchronise(generator):
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert rel_l2(out, oracle_forward(inputs)) < 1e-6
-
-
-@pytest.mark.caching_allocator
-def test_forward_captured_in_cuda_graph(generator):
-    case = small_case(generator)
-    static = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
-    warmup = torch.cuda.Stream()
-    warmup.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warmup):
-        for _ in range(2):
-            run_msda(static)
-    torch.cuda.current_stream().wait_stream(warmup)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run_msda(static)
-    for _ in range(2):  # replay on fresh inputs copied into the captured buffers
-        fresh = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
-        for name in ("value", "sampling_locations", "attention_weights"):
-            static[name].copy_(fresh[name])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_l2(out, oracle_forward(fresh)) < 1e-6
 
 
 def test_cuda_value_with_cpu_spatial_shapes_and_derived_start_index(generator):
