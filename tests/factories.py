@@ -182,7 +182,7 @@ def small_inputs(generator, device="cpu", dtype=torch.float32, **options):
 
 
 
-# ---- per-level point counts, nearest sampling, fused softmax (issue 5) -------------------------
+# ---- per-level point counts, nearest sampling, fused softmax ------------------------------------
 
 def level_of_points(num_points_list):
     """The level of each point of a (b, q, h), level 0's points first."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/gpu_reliability.sh: the GPU half of issue 6 (reliability), in one command on a GPU machine.
+# tests/gpu_reliability.sh: the GPU half of the reliability tests, in one command on a GPU machine.
 #
 #   bash tests/gpu_reliability.sh            (from the repository root or anywhere)
 #

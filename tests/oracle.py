@@ -120,7 +120,7 @@ def backward(value, spatial_shapes, sampling_locations, attention_weights, grad_
     return grad_value, grad_locations, grad_weights
 
 
-# ---- per-level point counts, nearest sampling, fused softmax (issue 5) -------------------------
+# ---- per-level point counts, nearest sampling, fused softmax ------------------------------------
 #
 # The same math over a flat list of N points per (b, q, h), point i belonging to level
 # level_of[i] (with num_points_list: level 0's points first, then level 1's, ...):

@@ -1,4 +1,4 @@
-"""tests/test_features.py: the options of pymsda.ms_deform_attn beyond the plain op (issue 5):
+"""tests/test_features.py: the options of pymsda.ms_deform_attn beyond the plain op:
 num_points_list (per-level point counts, RT-DETRv2), sampling="nearest" (RT-DETRv2's
 "discrete") and softmax=True (logits in: composed with torch's softmax), alone and combined.
 
