@@ -1,7 +1,8 @@
 """tests/test_cuda.py: what only the CUDA path can get wrong: agreement with the CPU path, the
 current (non-default) stream, no host-device synchronisation, and a Deformable-DETR-sized case
-(a second GPU: tests/test_multigpu.py; CUDA graphs: tests/test_cuda_graphs.py). Everything here skips without a GPU (conftest.requires_cuda);
-accuracy per dtype on CUDA is covered by the "cuda" cases of test_forward/test_backward.
+(a second GPU: tests/test_multigpu.py; CUDA graphs: tests/test_cuda_graphs.py). Everything here
+skips without a GPU (conftest.requires_cuda); accuracy per dtype on CUDA is covered by the "cuda"
+cases of test_forward/test_backward.
 """
 import pytest
 import torch
