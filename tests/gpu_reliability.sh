@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# tests/gpu_reliability.sh: the GPU half of issue 6 (reliability), in one command on a GPU machine.
+# tests/gpu_reliability.sh: the GPU half of the reliability tests, in one command on a GPU machine.
 #
 #   bash tests/gpu_reliability.sh            (from the repository root or anywhere)
 #
 # Steps (each with its own time limit; the whole took 4 minutes on an H100, its limits add up to
 # 9.5 minutes):
-#   1 plain     tests/test_reliability.py, tests/test_threads.py and tests/test_large_problems.py
-#               without a sanitizer: the CUDA bad-input matrix, non-finite input, validation, two
-#               threads on two streams, and every backward route at the 32-bit limits in
-#               NaN-filled memory (the `huge` tests: tens of GB of GPU memory).
+#   1 plain     the files of STEP1 below without a sanitizer: the CUDA bad-input matrix,
+#               non-finite input, validation, two threads on two streams, and every backward
+#               route at the 32-bit limits in NaN-filled memory (the `huge` tests: tens of GB of
+#               GPU memory); also the C library's own argument checks.
 #   2 memcheck  compute-sanitizer memcheck over the lying device-side shape tables
 #               (-k "lying and cuda"): proves no read or write outside the tensors.
 #   3 memcheck  over the CUDA test suite (-k "cuda"; tests/test_routes.py reaches every backward
@@ -171,10 +171,14 @@ run_step() {  # name limit kind(plain|memcheck|racecheck|synccheck) command...
     tail -n 5 "$log"
 }
 
+STEP1=(tests/test_inputs.py tests/test_unusual_tensors.py tests/test_non_finite.py
+       tests/test_lying_tables.py tests/test_threads.py tests/test_large_problems.py
+       tests/test_library.py::test_c_library_refuses_sizes_it_cannot_index
+       tests/test_library.py::test_c_library_refuses_a_thread_count_openmp_would_abort_on
+       tests/test_library.py::test_c_library_refuses_misaligned_pointers)
 unset PYTORCH_NO_CUDA_MEMORY_CACHING  # torch disables caching when it is set at all
 run_step plain "${LIMITS[0]}" plain \
-    "$PYTHON" -m pytest tests/test_reliability.py tests/test_threads.py \
-    tests/test_large_problems.py -q -p no:cacheprovider -rs
+    "$PYTHON" -m pytest "${STEP1[@]}" -q -p no:cacheprovider -rs
 
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 run_step memcheck-lying "${LIMITS[1]}" memcheck \

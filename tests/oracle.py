@@ -120,15 +120,7 @@ def backward(value, spatial_shapes, sampling_locations, attention_weights, grad_
     return grad_value, grad_locations, grad_weights
 
 
-def rel_l2(actual, expected):
-    """||actual - expected|| / ||expected|| in float64."""
-    actual = _as_f64(actual)
-    expected = _as_f64(expected)
-    denominator = np.linalg.norm(expected.ravel())
-    return float(np.linalg.norm((actual - expected).ravel()) / max(denominator, 1e-300))
-
-
-# ---- per-level point counts, nearest sampling, fused softmax (issue 5) -------------------------
+# ---- per-level point counts, nearest sampling, fused softmax ------------------------------------
 #
 # The same math over a flat list of N points per (b, q, h), point i belonging to level
 # level_of[i] (with num_points_list: level 0's points first, then level 1's, ...):

@@ -6,13 +6,13 @@ and pymsda share one OpenMP runtime and thread pool. Checked here:
 - results are bitwise identical for any thread count, in the three work splits of the backward
   (tasks owning whole batches, tasks owning head blocks of a batch, and the split backward for
   fewer (b, h) slices than threads can share), and match the f64 oracle;
-- calls from several Python threads at once, under torch.set_num_threads(1) and (2);
 - DataLoader workers (num_workers=2, forked after the parent used both runtimes): torch sets one
   thread there and the kernels then start no thread at all (a forked child must not touch the
   parent's OpenMP pool, which fork does not copy); the same in a fresh process at
   torch.set_num_threads(1);
 - one OpenMP runtime in the process;
 - an output buffer large enough for the huge-page advice path (grad_value > 8 MB).
+Calls from several Python threads at once: tests/test_threads.py.
 """
 import os
 import subprocess
@@ -91,34 +91,6 @@ def test_threaded_results_match_f64_oracle(generator, case):
     assert rel_l2(out, oracle_forward(inputs)) < 1e-12
     for name, grad, expected in zip(GRAD_NAMES, grads, oracle_backward(inputs, grad_output)):
         assert rel_l2(grad, expected) < 1e-11, name
-
-
-@pytest.mark.parametrize("torch_threads", [1, 2])
-def test_concurrent_calls_from_python_threads(generator, torch_threads):
-    inputs = make_inputs(generator, **FUSED, dtype=torch.float32)
-    B, Q, H = inputs["attention_weights"].shape[:3]
-    grad_output = random_grad_output(generator, torch.empty(B, Q, H * FUSED["channels"]))
-    expected = forward_and_grads(inputs, grad_output)
-    failures = []
-
-    def worker():
-        try:
-            torch.set_num_threads(torch_threads)  # per process; every thread sets the same
-            for _ in range(5):
-                got = forward_and_grads(inputs, grad_output)
-                if not all(torch.equal(a, b) for a, b in zip(expected, got)):
-                    failures.append("result differs")
-        except Exception as error:  # reported below, in the test's thread
-            failures.append(repr(error))
-
-    with num_threads(torch_threads):
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a call did not return"
-    assert not failures, failures
 
 
 def _native_threads(expected=None):

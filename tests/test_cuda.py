@@ -1,32 +1,24 @@
 """tests/test_cuda.py: what only the CUDA path can get wrong: agreement with the CPU path, the
-current (non-default) stream, a second GPU, CUDA graph capture, no host-device synchronisation,
-and a Deformable-DETR-sized case. Everything here skips without a GPU (conftest.requires_cuda);
-accuracy per dtype on CUDA is covered by the "cuda" cases of test_forward/test_backward.
+current (non-default) stream, no host-device synchronisation, and a Deformable-DETR-sized case
+(a second GPU: tests/test_multigpu.py; CUDA graphs: tests/test_cuda_graphs.py). Everything here
+skips without a GPU (conftest.requires_cuda); accuracy per dtype on CUDA is covered by the "cuda"
+cases of test_forward/test_backward.
 """
 import pytest
 import torch
 
 import pymsda
 from pymsda.reference import ms_deform_attn_pytorch
-from conftest import requires_cuda, requires_two_gpus
-from factories import (GRAD_NAMES, TABLE_CHANGES, change_tables, make_inputs,
-                       oracle_backward, oracle_forward, random_grad_output,
+from conftest import requires_cuda
+from factories import (GRAD_NAMES, TABLE_CHANGES, change_tables, forward_and_grads,
+                       make_inputs, oracle_backward, oracle_forward, random_grad_output,
                        random_level_shapes, rel_l2, run_msda)
 
 pytestmark = requires_cuda
 
 
-
-
 def moved(inputs, device):
     return {k: v.to(device) for k, v in inputs.items()}
-
-
-def forward_and_grads(inputs, grad_output):
-    leaves = {k: inputs[k].detach().clone().requires_grad_(True) for k in GRAD_NAMES}
-    out = run_msda(inputs, **leaves)
-    out.backward(grad_output)
-    return out.detach(), [leaves[k].grad for k in GRAD_NAMES]
 
 
 def small_case(generator):
@@ -74,38 +66,6 @@ def test_forward_and_backward_run_on_the_current_stream(generator):
     assert rel_l2(value.grad, grad_value) < 1e-5
 
 
-@requires_two_gpus
-def test_second_gpu_forward_and_backward(generator):
-    torch.cuda.set_device(0)
-    inputs = make_inputs(generator, **small_case(generator), device="cuda:1", kink_free=True)
-    grad_output = random_grad_output(generator, run_msda(inputs))
-    out, grads = forward_and_grads(inputs, grad_output)
-    assert out.device == torch.device("cuda:1")
-    assert torch.cuda.current_device() == 0  # the caller's device is restored
-    assert rel_l2(out, oracle_forward(inputs)) < 1e-12
-    for name, g, e in zip(GRAD_NAMES, grads, oracle_backward(inputs, grad_output)):
-        assert g.device == torch.device("cuda:1"), name
-        assert rel_l2(g, e) < 1e-11, name
-
-
-@requires_two_gpus
-def test_second_gpu_on_its_current_stream(generator):
-    inputs = make_inputs(generator, **small_case(generator), dtype=torch.float32,
-                         device="cuda:1")
-    new_value = torch.randn(inputs["value"].shape, generator=generator).to("cuda:1")
-    with torch.cuda.device(1):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            _sleep_on_current_stream()
-            value = inputs["value"].clone()
-            value.copy_(new_value)
-            out = run_msda(inputs, value=value)
-        torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize(1)
-    assert rel_l2(out, oracle_forward(dict(inputs, value=new_value))) < 1e-6
-
-
 @pytest.mark.caching_allocator  # (without it, freeing a tensor is a synchronising cudaFree)
 def test_forward_and_backward_do_not_synchronise(generator):
     # Device-side shape tensors are the normal path: no .item()/.cpu()/.tolist() may happen.
@@ -122,28 +82,6 @@ def test_forward_and_backward_do_not_synchronise(generator):
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert rel_l2(out, oracle_forward(inputs)) < 1e-6
-
-
-@pytest.mark.caching_allocator
-def test_forward_captured_in_cuda_graph(generator):
-    case = small_case(generator)
-    static = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
-    warmup = torch.cuda.Stream()
-    warmup.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warmup):
-        for _ in range(2):
-            run_msda(static)
-    torch.cuda.current_stream().wait_stream(warmup)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run_msda(static)
-    for _ in range(2):  # replay on fresh inputs copied into the captured buffers
-        fresh = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
-        for name in ("value", "sampling_locations", "attention_weights"):
-            static[name].copy_(fresh[name])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_l2(out, oracle_forward(fresh)) < 1e-6
 
 
 def test_cuda_value_with_cpu_spatial_shapes_and_derived_start_index(generator):
@@ -250,30 +188,3 @@ def test_deformable_detr_sized_encoder_case_f32(generator):
     assert rel_l2(out, exact_out) <= 2 * rel_l2(reference_out, exact_out) + 1e-7
     for name, g, r, e in zip(GRAD_NAMES, grads, reference_grads, exact_grads):
         assert rel_l2(g, e) <= 2 * rel_l2(r, e) + 1e-6, name
-
-
-def test_lying_device_shapes_never_read_outside_value(generator):
-    # Shapes on the GPU are not checked on the host (that would synchronise); the kernels
-    # bounds-check every gather instead (DESIGN.md section 2). value sits inside a NaN-filled
-    # buffer, so a read before or after it would turn the output NaN; a wild read would raise
-    # at the synchronisation.
-    H, C, S, pad = 2, 8, 26, 64
-    buffer = torch.full((1, pad + S + pad, H, C), float("nan"), device="cuda")
-    buffer[:, pad:pad + S] = torch.randn(1, S, H, C, generator=generator).cuda()
-    value = buffer[:, pad:pad + S]
-    assert value.is_contiguous()  # so the op reads this very memory, not a copy
-    lying_shapes = torch.tensor([[50, 50], [40, 41]], device="cuda")
-    lying_starts = torch.tensor([0, 2500], device="cuda")
-    locations = (torch.rand(1, 30, H, 2, 4, 2, generator=generator) * 1.4 - 0.2).cuda()
-    weights = torch.rand(1, 30, H, 2, 4, generator=generator).cuda()
-    locations.requires_grad_(True)
-    weights.requires_grad_(True)
-    leaf_value = value.clone().requires_grad_(True)
-    for v in (value, leaf_value):
-        out = pymsda.ms_deform_attn(v, lying_shapes, lying_starts, locations, weights)
-        out.backward(torch.ones_like(out))
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all()
-    assert torch.isfinite(leaf_value.grad).all()
-    assert torch.isfinite(locations.grad).all() and torch.isfinite(weights.grad).all()
-    assert torch.isnan(buffer[:, :pad]).all() and torch.isnan(buffer[:, pad + S:]).all()

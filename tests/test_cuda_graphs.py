@@ -1,9 +1,10 @@
 """tests/test_cuda_graphs.py: forward and backward captured in CUDA graphs replay to what eager
 computes, with fresh numbers copied into the captured inputs: torch.cuda.graph around the op and
-torch.autograd.grad (shape tables as a list, as device tensors and as CPU tensors), the
-deterministic backward bitwise, and torch.cuda.make_graphed_callables on the Deformable DETR
-module. Also: a list of shapes first seen inside a capture is refused with a message that says
-what to do (its device copy cannot be made there). Everything here skips without a GPU.
+torch.autograd.grad (shape tables as a list, as device tensors and as CPU tensors) or around the
+forward alone, the deterministic backward bitwise, and torch.cuda.make_graphed_callables on the
+Deformable DETR module. Also: a list of shapes first seen inside a capture is refused with a
+message that says what to do (its device copy cannot be made there). Everything here skips
+without a GPU.
 """
 import copy
 
@@ -13,7 +14,7 @@ import torch
 import pymsda
 from conftest import requires_cuda
 from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
-                       random_grad_output, random_level_shapes, rel_l2)
+                       random_grad_output, random_level_shapes, rel_l2, run_msda)
 
 # caching_allocator: graph capture needs torch's caching allocator (the sanitizer runs of
 # tests/gpu_reliability.sh turn it off)
@@ -92,6 +93,29 @@ def test_graph_replay_of_forward_and_backward_matches_eager(generator, shape_tab
         for name, grad, eager, e in zip(GRAD_NAMES, grads, eager_grads, expected):
             assert rel_l2(grad, eager) < 1e-6, name  # grad_value's atomics vary the last bits
             assert rel_l2(grad, e) < 1e-5, name
+
+
+def test_graph_replay_of_forward_alone_matches_oracle(generator):
+    # No input requires a gradient: autograd records nothing around the captured forward.
+    case = dict(batch=2, queries=11, heads=3, channels=9, points=3,
+                shapes=random_level_shapes(generator, 3, max_side=10, min_side=2))
+    static = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        for _ in range(2):
+            run_msda(static)
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_msda(static)
+    for _ in range(2):  # replay on fresh inputs copied into the captured buffers
+        fresh = make_inputs(generator, **case, dtype=torch.float32, device="cuda")
+        for name in ("value", "sampling_locations", "attention_weights"):
+            static[name].copy_(fresh[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_l2(out, oracle_forward(fresh)) < 1e-6
 
 
 # (shapes, queries, points per level): an encoder-like problem (Q * NP >= 2 * S) takes the

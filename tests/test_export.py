@@ -1,4 +1,4 @@
-"""Export (issue 29): what ms_deform_attn records under torch.jit.trace / script and both ONNX
+"""Export: what ms_deform_attn records under torch.jit.trace / script and both ONNX
 exporters, checked by running what was recorded (TorchScript, ONNX Runtime) on inputs other
 than the traced ones and comparing with eager and the float64 oracle; and the TensorRT node's
 structure, run with the node replaced by the decomposition. Every entry point (MSDeformAttn,
@@ -26,7 +26,7 @@ HAS_CUSTOM_OP = pymsda.ops.HAS_TORCH_LIBRARY_OPS
 requires_dynamo_exporter = requires_torch_feature(
     HAS_CUSTOM_OP and "dynamo" in getattr(torch.onnx.export, "__code__").co_varnames,
     "torch.onnx.export(dynamo=True) with torch.library custom ops")
-F32_BOUND = 1e-5  # ONNX Runtime against eager, float32 (issue 29)
+F32_BOUND = 1e-5  # ONNX Runtime against eager, float32
 
 
 def _onnxscript_missing():

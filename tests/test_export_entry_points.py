@@ -1,8 +1,8 @@
-"""Every entry point under every tracer (issue 29, item 1): pymsda.ms_deform_attn, MSDeformAttn
-and each drop-in of pymsda.compat, recorded by torch.jit.trace, torch.jit.script, both ONNX
-exporters and torch.export (and the ExportedProgram given to torch.onnx.export), then run
-(TorchScript, ONNX Runtime, the exported program) on inputs of another batch and query count and
-compared with eager; or refused with an error that names pymsda and says what to do. What each
+"""Every entry point under every tracer: pymsda.ms_deform_attn, MSDeformAttn and each drop-in
+of pymsda.compat, recorded by torch.jit.trace, torch.jit.script, both ONNX exporters and
+torch.export (and the ExportedProgram given to torch.onnx.export), then run (TorchScript, ONNX
+Runtime, the exported program) on inputs of another batch and query count and compared with
+eager; or refused with an error that names pymsda and says what to do. What each
 records (the op, the decomposition) is checked in tests/test_export.py and
 tests/test_torch_library.py against the float64 oracle."""
 import importlib.util

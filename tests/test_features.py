@@ -1,4 +1,4 @@
-"""tests/test_features.py: the options of pymsda.ms_deform_attn beyond the plain op (issue 5):
+"""tests/test_features.py: the options of pymsda.ms_deform_attn beyond the plain op:
 num_points_list (per-level point counts, RT-DETRv2), sampling="nearest" (RT-DETRv2's
 "discrete") and softmax=True (logits in: composed with torch's softmax), alone and combined.
 
@@ -22,7 +22,7 @@ from conftest import DEVICES, FLOAT_DTYPES
 from factories import (GRAD_NAMES, HALF_DTYPES, loose_bound, make_inputs, make_point_inputs,
                        oracle_backward_general, oracle_forward_general, random_grad_output,
                        rel_l2, to_numpy)
-from test_reliability import LYING  # the lying shape tables the plain path is tested with
+from test_lying_tables import LYING  # the lying shape tables the plain path is tested with
 
 SHAPES = [(5, 7), (3, 4), (1, 3), (2, 2)]
 

@@ -3,23 +3,23 @@ type and a message that names the argument: TypeError for a wrong dtype, ValueEr
 ndim, mismatched sizes, inconsistent shapes or a device mismatch.
 
 Where a mismatch involves two arguments, naming either is accepted (the pattern lists both).
+The bad-input matrix runs each malformed call on the CPU and on CUDA, and a valid call right
+after it, which must still succeed (no sticky CUDA error).
 """
 import pytest
 import torch
 
 import pymsda
-from conftest import requires_cuda
-from factories import (TABLE_CHANGES, change_tables, make_inputs, oracle_forward, rel_l2,
-                       run_msda)
+from conftest import DEVICES, requires_cuda
+from factories import (SMALL_SHAPES as SHAPES, SMALL_SIZES, TABLE_CHANGES, change_tables,
+                       make_inputs, oracle_forward, rel_l2, run_msda, small_inputs)
 
-SHAPES = [(4, 5), (3, 2)]  # S = 26
-B, Q, H, C, L, P = 2, 3, 2, 4, 2, 3
+B, Q, H, C, L, P = SMALL_SIZES
 
 
 @pytest.fixture
 def inputs(generator):
-    return make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
-
+    return small_inputs(generator)
 
 
 def test_valid_inputs_work(inputs):
@@ -27,39 +27,192 @@ def test_valid_inputs_work(inputs):
     assert rel_l2(run_msda(inputs), oracle_forward(inputs)) < 1e-6
 
 
-# ---- dtypes: TypeError -------------------------------------------------------------------------
+# ---- the bad-input matrix: every call on the CPU and on CUDA, a valid call after it ----------
+
+def _resized(t, dim, size):
+    """t with dimension `dim` changed to `size`, same dtype and device."""
+    shape = list(t.shape)
+    shape[dim] = size
+    return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+
+def _host_tensor(rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _expanded(device, dtype, *shape):
+    """A view of `shape` over one element: any size, no memory."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+
+
+def _value_past_int64_bytes(i):
+    # value (2^21, 2^20, 2^10, 2^10): 2^61 elements, 2^64 bytes at 8 bytes an element.
+    dev = i["value"].device
+    return dict(value=_expanded(dev, torch.float64, 2 ** 21, 2 ** 20, 2 ** 10, 2 ** 10),
+                spatial_shapes=[(1024, 1024)], level_start_index=None,
+                sampling_locations=_expanded(dev, torch.float64, 2 ** 21, 1, 2 ** 10, 1, 1, 2),
+                attention_weights=_expanded(dev, torch.float64, 2 ** 21, 1, 2 ** 10, 1, 1))
+
+
+def _output_past_int64_bytes(i):
+    # every input fits, but the output (1, 2^30, 2^40) would have 2^70 elements
+    dev = i["value"].device
+    return dict(value=_expanded(dev, torch.float32, 1, 1, 1, 2 ** 40),
+                spatial_shapes=[(1, 1)], level_start_index=None,
+                sampling_locations=_expanded(dev, torch.float32, 1, 2 ** 30, 1, 1, 1, 2),
+                attention_weights=_expanded(dev, torch.float32, 1, 2 ** 30, 1, 1, 1))
+
+
+def _cast(name, dtype):
+    return lambda i: {name: i[name].to(dtype)}
+
+
+def _cast_to_named(name, dtype_name):
+    """_cast to torch.<dtype_name>; the case skips where this torch lacks it (float8 < 2.1)."""
+    def overrides(i):
+        dtype = getattr(torch, dtype_name, None)
+        if dtype is None:
+            pytest.skip(f"torch {torch.__version__} has no torch.{dtype_name}")
+        return {name: i[name].to(dtype)}
+    return overrides
+
+
+# (id, overrides of the valid inputs, exception type, pattern the message must contain)
+BAD_CALLS = [
+    # wrong ndim of each tensor
+    ("value_3d", lambda i: dict(value=i["value"].flatten(2)), ValueError, "value"),
+    ("value_5d", lambda i: dict(value=i["value"][None]), ValueError, "value"),
+    ("locations_5d", lambda i: dict(sampling_locations=i["sampling_locations"][..., 0]),
+     ValueError, "sampling_locations"),
+    ("weights_6d", lambda i: dict(attention_weights=i["attention_weights"][..., None]),
+     ValueError, "attention_weights"),
+    ("shapes_1d", lambda i: dict(spatial_shapes=i["spatial_shapes"].flatten()), ValueError,
+     "spatial_shapes"),
+    ("start_index_2d", lambda i: dict(level_start_index=i["level_start_index"][None]),
+     ValueError, "level_start_index"),
+    # each size mismatched between tensors
+    ("B_locations", lambda i: dict(sampling_locations=_resized(i["sampling_locations"], 0, B + 1)),
+     ValueError, "sampling_locations"),
+    ("B_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 0, B + 1)),
+     ValueError, "attention_weights"),
+    ("H_value", lambda i: dict(value=_resized(i["value"], 2, H + 1)), ValueError, "value"),
+    ("H_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 2, H + 1)),
+     ValueError, "attention_weights"),
+    ("C_zero", lambda i: dict(value=_resized(i["value"], 3, 0)), ValueError, r"C=0 \(value\)"),
+    ("L_locations_and_weights", lambda i: dict(
+        sampling_locations=_resized(i["sampling_locations"], 3, L + 1),
+        attention_weights=_resized(i["attention_weights"], 3, L + 1)),
+     ValueError, "spatial_shapes has 2 levels but sampling_locations has L = 3"),
+    ("L_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 3, L + 1)),
+     ValueError, "attention_weights"),
+    ("P_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 4, P + 1)),
+     ValueError, "attention_weights"),
+    ("P_zero", lambda i: dict(sampling_locations=_resized(i["sampling_locations"], 4, 0),
+                              attention_weights=_resized(i["attention_weights"], 4, 0)),
+     ValueError, r"P=0 \(sampling_locations\)"),
+    ("Q_weights", lambda i: dict(attention_weights=_resized(i["attention_weights"], 1, Q + 1)),
+     ValueError, "attention_weights"),
+    ("xy_is_3", lambda i: dict(sampling_locations=_resized(i["sampling_locations"], 5, 3)),
+     ValueError, "sampling_locations"),
+    # shape tables
+    ("shapes_L_by_3", lambda i: dict(spatial_shapes=_resized(i["spatial_shapes"], 1, 3)),
+     ValueError, "spatial_shapes"),
+    ("shapes_no_levels", lambda i: dict(spatial_shapes=_resized(i["spatial_shapes"], 0, 0)),
+     ValueError, "spatial_shapes"),
+    ("start_index_too_long",
+     lambda i: dict(level_start_index=_resized(i["level_start_index"], 0, L + 1)),
+     ValueError, "level_start_index"),
+    # (host-side tables: device-side ones are read only with validate=True, tested below)
+    ("start_index_values", lambda i: dict(spatial_shapes=_host_tensor(SHAPES),
+                                          level_start_index=_host_tensor([0, 19])),
+     ValueError, "level_start_index"),
+    ("sum_of_sizes_not_S", lambda i: dict(spatial_shapes=_host_tensor([(4, 5), (3, 3)]),
+                                          level_start_index=None),
+     ValueError, "spatial_shapes"),
+    ("level_size_zero", lambda i: dict(spatial_shapes=_host_tensor([(0, 5), (3, 2)])),
+     ValueError, "spatial_shapes: level 0"),
+    ("level_size_negative", lambda i: dict(spatial_shapes=_host_tensor([(-4, -5), (3, 2)])),
+     ValueError, "spatial_shapes: level 0"),
+    ("level_size_negative_list", lambda i: dict(spatial_shapes=[(4, 5), (-3, -2)],
+                                                level_start_index=None),
+     ValueError, "spatial_shapes: level 1"),
+    ("shapes_float", _cast("spatial_shapes", torch.float32), TypeError, "spatial_shapes"),
+    ("shapes_bool", _cast("spatial_shapes", torch.bool), TypeError, "spatial_shapes"),
+    ("start_index_float", _cast("level_start_index", torch.float64), TypeError,
+     "level_start_index"),
+    ("shapes_list_of_fractions", lambda i: dict(spatial_shapes=[(4.5, 5), (3, 2)],
+                                                level_start_index=None),
+     TypeError, "spatial_shapes"),
+    ("shapes_none", lambda i: dict(spatial_shapes=None, level_start_index=None), TypeError,
+     "spatial_shapes"),
+    # integer, bool, complex and 8-bit float value / locations / weights
+    ("value_int32", _cast("value", torch.int32), TypeError, "value"),
+    ("value_bool", _cast("value", torch.bool), TypeError, "value"),
+    ("value_complex", _cast("value", torch.complex64), TypeError, "value"),
+    ("locations_int64", _cast("sampling_locations", torch.int64), TypeError,
+     "sampling_locations"),
+    ("locations_bool", _cast("sampling_locations", torch.bool), TypeError, "sampling_locations"),
+    ("locations_complex", _cast("sampling_locations", torch.complex128), TypeError,
+     "sampling_locations"),
+    ("weights_int16", _cast("attention_weights", torch.int16), TypeError, "attention_weights"),
+    ("weights_float8", _cast_to_named("attention_weights", "float8_e4m3fn"), TypeError,
+     "attention_weights"),
+    ("value_numpy", lambda i: dict(value=i["value"].cpu().numpy()), TypeError, "value"),
+    # tensors that hold no numbers where numbers are needed
+    ("locations_on_meta", lambda i: dict(sampling_locations=i["sampling_locations"].to("meta")),
+     ValueError, "sampling_locations"),
+    ("shapes_on_meta", lambda i: dict(spatial_shapes=i["spatial_shapes"].to("meta")),
+     ValueError, "spatial_shapes"),
+    ("start_index_on_meta", lambda i: dict(level_start_index=i["level_start_index"].to("meta")),
+     ValueError, "level_start_index"),
+    # sizes past what the kernels can index (expanded views: no memory behind them)
+    ("value_past_int64_bytes", _value_past_int64_bytes, ValueError, "value"),
+    ("output_past_int64_bytes", _output_past_int64_bytes, ValueError, "output"),
+]
+
+
+def test_bad_input_matrix_has_at_least_25_distinct_calls():
+    assert len({case[0] for case in BAD_CALLS}) == len(BAD_CALLS) >= 25
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,overrides,exception,pattern", BAD_CALLS,
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_is_refused_naming_the_argument(generator, device, name, overrides,
+                                                  exception, pattern):
+    inputs = small_inputs(generator, device)
+    with pytest.raises(exception, match=pattern):
+        run_msda(inputs, **overrides(inputs))
+    # The process and the device stay usable: a valid call right after succeeds.
+    out = run_msda(inputs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6
+
+
+# ---- dtypes: TypeError (beyond the matrix's cases) ---------------------------------------------
 
 @pytest.mark.parametrize("name,bad", [
-    ("value", lambda t: t.to(torch.int32)),
     ("value", lambda t: t.to(torch.int64)),
-    ("value", lambda t: t.to(torch.bool)),
-    ("spatial_shapes", lambda t: t.to(torch.float32)),
     ("spatial_shapes", lambda t: t.to(torch.float64)),
     ("spatial_shapes", lambda t: t.to(torch.int16)),
     ("level_start_index", lambda t: t.to(torch.float32)),
-    ("sampling_locations", lambda t: t.to(torch.int64)),
     ("attention_weights", lambda t: t.to(torch.int32)),
-], ids=["value_int32", "value_int64", "value_bool", "shapes_f32", "shapes_f64", "shapes_int16",
-        "start_index_f32", "locations_int64", "weights_int32"])
+], ids=["value_int64", "shapes_f64", "shapes_int16", "start_index_f32", "weights_int32"])
 def test_wrong_dtype_raises_type_error_naming_argument(inputs, name, bad):
     with pytest.raises(TypeError, match=name):
         run_msda(inputs, **{name: bad(inputs[name])})
 
 
-# ---- ndim: ValueError --------------------------------------------------------------------------
+# ---- ndim: ValueError (beyond the matrix's cases) ----------------------------------------------
 
 @pytest.mark.parametrize("name,bad", [
     ("value", lambda t: t.reshape(B, -1, C)),
-    ("value", lambda t: t.unsqueeze(0)),
-    ("spatial_shapes", lambda t: t.reshape(-1)),
     ("spatial_shapes", lambda t: t.unsqueeze(0)),
-    ("level_start_index", lambda t: t.unsqueeze(0)),
     ("sampling_locations", lambda t: t.reshape(B, Q, H, L, -1)),
     ("sampling_locations", lambda t: t.unsqueeze(0)),
     ("attention_weights", lambda t: t.reshape(B, Q, H, -1)),
-    ("attention_weights", lambda t: t.unsqueeze(-1)),
-], ids=["value_3d", "value_5d", "shapes_1d", "shapes_3d", "start_index_2d", "locations_5d",
-        "locations_7d", "weights_4d", "weights_6d"])
+], ids=["value_3d", "shapes_3d", "locations_5d", "locations_7d", "weights_4d"])
 def test_wrong_ndim_raises_value_error_naming_argument(inputs, name, bad):
     with pytest.raises(ValueError, match=name):
         run_msda(inputs, **{name: bad(inputs[name])})
@@ -76,7 +229,7 @@ def test_wrong_ndim_message_gives_the_expected_layout(inputs, name, layout):
                                         f"{layout}, got shape {tuple(flat.shape)}")
 
 
-# ---- mismatched sizes: ValueError --------------------------------------------------------------
+# ---- mismatched sizes: ValueError (beyond the matrix's cases) ----------------------------------
 
 def _resize(tensor, dim, size):
     """tensor with dimension `dim` changed to `size`. Only shapes matter here; index tensors get
@@ -89,25 +242,16 @@ def _resize(tensor, dim, size):
 
 
 @pytest.mark.parametrize("name,dim,size,pattern", [
-    ("sampling_locations", 0, B + 1, "sampling_locations|value"),          # B
-    ("attention_weights", 0, B + 1, "attention_weights|sampling_locations|value"),
     ("sampling_locations", 2, H + 1, "sampling_locations|value"),          # H
-    ("attention_weights", 2, H + 1, "attention_weights|sampling_locations|value"),
     ("sampling_locations", 3, L + 1, "sampling_locations|spatial_shapes"),  # L
-    ("attention_weights", 3, L + 1, "attention_weights|sampling_locations|spatial_shapes"),
-    ("sampling_locations", 5, 3, "sampling_locations"),                    # (x, y)
-    ("sampling_locations", 5, 1, "sampling_locations"),
-    ("attention_weights", 1, Q + 1, "attention_weights|sampling_locations"),  # Q
-    ("attention_weights", 4, P + 1, "attention_weights|sampling_locations"),  # P
+    ("sampling_locations", 5, 1, "sampling_locations"),                    # (x, y)
     ("value", 0, B + 1, "value|sampling_locations|attention_weights"),
-    ("value", 2, H + 1, "value|sampling_locations|attention_weights"),
     ("spatial_shapes", 1, 3, "spatial_shapes"),                             # rows not pairs
     ("spatial_shapes", 0, L + 1, "spatial_shapes|sampling_locations|level_start_index"),
     ("level_start_index", 0, L + 1, "level_start_index"),
     ("level_start_index", 0, L - 1, "level_start_index"),
-], ids=["locations_B", "weights_B", "locations_H", "weights_H", "locations_L", "weights_L",
-        "locations_xyz", "locations_x", "weights_Q", "weights_P", "value_B", "value_H",
-        "shapes_3_columns", "shapes_L", "start_index_long", "start_index_short"])
+], ids=["locations_H", "locations_L", "locations_x", "value_B", "shapes_3_columns", "shapes_L",
+        "start_index_long", "start_index_short"])
 def test_mismatched_sizes_raise_value_error_naming_argument(inputs, name, dim, size, pattern):
     bad = _resize(inputs[name], dim, size)
     with pytest.raises(ValueError, match=pattern):
@@ -129,7 +273,7 @@ def test_sum_of_level_sizes_not_S_raises_for_list_shapes(inputs):
         run_msda(inputs, spatial_shapes=[(4, 5), (2, 2)], level_start_index=None)
 
 
-@pytest.mark.parametrize("starts", [[0, 19], [0, 21], [1, 21], [20, 0]])
+@pytest.mark.parametrize("starts", [[0, 21], [1, 21], [20, 0]])  # [0, 19]: in the matrix
 def test_inconsistent_level_start_index_raises(inputs, starts):
     with pytest.raises(ValueError, match="level_start_index"):
         run_msda(inputs, level_start_index=torch.tensor(starts))
@@ -158,7 +302,7 @@ def test_non_positive_level_size_raises(generator, shapes):
 # still refuse tables that stop matching value.
 
 def test_host_tables_changed_between_calls_are_seen(generator):
-    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    inputs = small_inputs(generator)
     shapes, starts = inputs["spatial_shapes"].clone(), inputs["level_start_index"].clone()
     for _ in range(2):
         assert rel_l2(run_msda(inputs, spatial_shapes=shapes, level_start_index=starts),
@@ -176,7 +320,7 @@ def test_host_tables_changed_between_calls_are_seen(generator):
 
 
 def test_host_tables_seen_before_still_refuse_another_value(generator):
-    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    inputs = small_inputs(generator)
     run_msda(inputs)
     with pytest.raises(ValueError, match="spatial_shapes|value"):
         run_msda(inputs, value=inputs["value"][:, :-1])
@@ -187,7 +331,7 @@ def test_host_tables_seen_before_still_refuse_another_value(generator):
 
 
 def test_tables_made_in_inference_mode_work(generator):
-    inputs = make_inputs(generator, B, Q, H, C, SHAPES, P, dtype=torch.float32)
+    inputs = small_inputs(generator)
     with torch.inference_mode():
         tables = dict(spatial_shapes=torch.tensor(SHAPES),
                       level_start_index=torch.tensor([0, 20]))
@@ -229,3 +373,19 @@ def test_device_mismatch_raises_value_error_naming_argument(inputs, name):
     with pytest.raises(ValueError, match=name if name != "value" else
                        "value|sampling_locations|attention_weights"):
         run_msda(on_cuda)
+
+
+@requires_cuda
+@pytest.mark.parametrize("value_on,moved", [
+    ("cuda", "sampling_locations"), ("cuda", "attention_weights"),
+    ("cpu", "sampling_locations"), ("cpu", "attention_weights"),
+], ids=["cuda_value_cpu_locations", "cuda_value_cpu_weights", "cpu_value_cuda_locations",
+        "cpu_value_cuda_weights"])
+def test_tensors_on_different_devices_are_refused_cuda(generator, value_on, moved):
+    inputs = small_inputs(generator, value_on)
+    other = "cpu" if value_on == "cuda" else "cuda"
+    with pytest.raises(ValueError, match=moved):
+        run_msda(inputs, **{moved: inputs[moved].to(other)})
+    out = run_msda(inputs)
+    torch.cuda.synchronize()
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-6

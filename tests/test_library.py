@@ -372,3 +372,56 @@ def test_null_args_and_a_nonzero_reserved_field_are_refused():
         assert lib.msda_last_error().decode() == f"{name}: reserved = 3 must be 0"
     assert lib.msda_backward_workspace_size(_lib.pack_args(**sizes)) == 0
     assert lib.msda_last_error() == b""
+
+
+# ---- the C library's own checks, reached directly through ctypes -----------------------------
+# Sizes whose element or byte counts pass 64 bits, negative or zero sizes, thread counts OpenMP
+# would abort on and misaligned pointers: refused by msda_forward itself, naming the cause.
+
+def _call_forward(sizes, num_threads=1, pointers=None):
+    from pymsda import _lib
+    buffer = torch.zeros(64, dtype=torch.float64)
+    p = buffer.data_ptr()
+    ptrs = pointers or [p] * 6
+    names = ("value", "spatial_shapes", "level_start_index", "sampling_locations",
+             "attention_weights", "output")
+    status = _lib.lib.msda_forward(_lib.pack_args(
+        **dict(zip("BSHCLQP", sizes)), dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64,
+        device=-1, num_threads=num_threads, **dict(zip(names, ptrs))))
+    return status, _lib.lib.msda_last_error().decode()
+
+
+@pytest.mark.parametrize("sizes,needle", [
+    ((2 ** 40, 2 ** 40, 1, 1, 1, 1, 1), "overflow"),                   # B*S past int64
+    ((2 ** 21, 2 ** 20, 2 ** 10, 2 ** 10, 1, 1, 1), "overflow"),       # elements fit, bytes do not
+    ((1, 1, 1, 2 ** 40, 1, 2 ** 30, 1), "overflow"),                   # only the output overflows
+    ((1, 1, 1, 1, 2 ** 40, 2 ** 30, 2 ** 4), "overflow"),              # only the locations
+    ((1, 1, 1, 1, 2 ** 62, 0, 1), "level tables"),                     # Q = 0 leaves L unbounded
+    ((-1, 1, 1, 1, 1, 1, 1), "size B"),
+    ((1, 1, 1, 1, 1, -5, 1), "size Q"),
+    ((1, 1, 0, 1, 1, 1, 1), "size H"),
+], ids=["B_S", "value_bytes", "output", "locations", "levels", "negative_B", "negative_Q",
+        "zero_H"])
+def test_c_library_refuses_sizes_it_cannot_index(sizes, needle):
+    from pymsda import _lib
+    status, text = _call_forward(sizes)
+    assert status == _lib.ERR_INVALID_ARGUMENT and needle in text, text
+
+
+def test_c_library_refuses_a_thread_count_openmp_would_abort_on():
+    from pymsda import _lib
+    status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), num_threads=2 ** 31 - 1)
+    assert status == _lib.ERR_INVALID_ARGUMENT and "num_threads" in text, text
+    status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), num_threads=0)  # the OpenMP default
+    assert status == _lib.OK and text == ""
+
+
+@pytest.mark.parametrize("which,name", [(0, "value"), (1, "spatial_shapes"),
+                                        (3, "sampling_locations"), (5, "output")])
+def test_c_library_refuses_misaligned_pointers(which, name):
+    from pymsda import _lib
+    buffer = torch.zeros(64, dtype=torch.float64)
+    pointers = [buffer.data_ptr()] * 6
+    pointers[which] += 2  # element-aligned for nothing but 2-byte types
+    status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), pointers=pointers)
+    assert status == _lib.ERR_INVALID_ARGUMENT and name in text and "aligned" in text, text

@@ -1,9 +1,11 @@
 """tests/test_multigpu.py: two GPUs (the GPU tests skip with fewer).
 
 - The op on one GPU while the current device is the other (cuda:1 from cuda:0 and the reverse)
-  runs on the tensors' device and on that device's current stream: its inputs are written on a
-  side stream of their device that a sleep kernel holds back, so work put on any other stream
-  (the current device's, or the legacy default stream) would read them too early and be wrong.
+  or the same runs on the tensors' device and on that device's current stream: its inputs are
+  written on a side stream of their device that a sleep kernel holds back, so work put on any
+  other stream (the current device's, or the legacy default stream) would read them too early
+  and be wrong. In float64 on the second GPU, forward and gradients match the oracle to 1e-12
+  and 1e-11, and the caller's current device is left as it was.
 - A 2-process DistributedDataParallel training step (NCCL, NVLink multicast off:
   NCCL_NVLS_ENABLE=0), each process on half the batch, gives the gradients and the updated
   parameters of one process on the whole batch. The same step also runs on the CPU (gloo),
@@ -19,8 +21,8 @@ import torch
 
 import pymsda
 from conftest import requires_two_gpus
-from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
-                       random_grad_output, random_level_shapes, rel_l2)
+from factories import (GRAD_NAMES, forward_and_grads, make_inputs, oracle_backward,
+                       oracle_forward, random_grad_output, random_level_shapes, rel_l2, run_msda)
 
 
 def sleep_on_current_stream():
@@ -31,8 +33,8 @@ def sleep_on_current_stream():
 
 
 @requires_two_gpus
-@pytest.mark.parametrize("tensor_device,current_device", [(1, 0), (0, 1)],
-                         ids=["cuda1_from_cuda0", "cuda0_from_cuda1"])
+@pytest.mark.parametrize("tensor_device,current_device", [(1, 0), (0, 1), (1, 1)],
+                         ids=["cuda1_from_cuda0", "cuda0_from_cuda1", "cuda1_from_cuda1"])
 def test_op_runs_on_the_tensors_device_and_its_current_stream(generator, tensor_device,
                                                              current_device):
     device = torch.device("cuda", tensor_device)
@@ -69,6 +71,21 @@ def test_op_runs_on_the_tensors_device_and_its_current_stream(generator, tensor_
                                     oracle_backward(expected_inputs, grad_output)):
         assert grad.device == device, name
         assert rel_l2(grad, expected) < 1e-5, name
+
+
+@requires_two_gpus
+def test_second_gpu_forward_and_backward_f64_cuda(generator):
+    torch.cuda.set_device(0)
+    shapes = random_level_shapes(generator, 3, max_side=10, min_side=2)
+    inputs = make_inputs(generator, 2, 11, 3, 9, shapes, 3, device="cuda:1", kink_free=True)
+    grad_output = random_grad_output(generator, run_msda(inputs))
+    out, grads = forward_and_grads(inputs, grad_output)
+    assert out.device == torch.device("cuda:1")
+    assert torch.cuda.current_device() == 0  # the caller's device is restored
+    assert rel_l2(out, oracle_forward(inputs)) < 1e-12
+    for name, g, e in zip(GRAD_NAMES, grads, oracle_backward(inputs, grad_output)):
+        assert g.device == torch.device("cuda:1"), name
+        assert rel_l2(g, e) < 1e-11, name
 
 
 @requires_two_gpus

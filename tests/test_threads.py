@@ -1,10 +1,11 @@
 """tests/test_threads.py: the op is safe to call from several Python threads at once.
 
-ctypes releases the GIL during a library call, so two threads really do run the kernels
+ctypes releases the GIL during a library call, so the threads really do run the kernels
 concurrently. Each thread's results must equal the serial ones (bit for bit on the CPU, whose
-kernels are deterministic; on CUDA, where grad_value is summed with atomics, to rounding), and the
-C library's last-error text must be per thread: a failure in one thread neither replaces nor
-clears the text another thread is about to read.
+kernels are deterministic, under torch.set_num_threads(1) and (2); on CUDA, where grad_value is
+summed with atomics, to rounding), every call must return, and the C library's last-error text
+must be per thread: a failure in one thread neither replaces nor clears the text another thread
+is about to read.
 """
 import threading
 
@@ -25,8 +26,9 @@ def forward_and_grads(inputs, grad_output):
     return [out.detach()] + [leaves[k].grad for k in GRAD_NAMES]
 
 
-def run_in_threads(*bodies):
-    """Runs each body in its own thread, all released at once; re-raises the first failure."""
+def run_in_threads(*bodies, timeout=120):
+    """Runs each body in its own thread, all released at once; re-raises the first failure.
+    A thread still running after timeout seconds fails the test (a call did not return)."""
     barrier = threading.Barrier(len(bodies))
     errors = []
 
@@ -41,7 +43,8 @@ def run_in_threads(*bodies):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a call did not return"
     if errors:
         raise errors[0]
 
@@ -58,19 +61,28 @@ def two_problems(generator, device, dtype=torch.float32):
     return problems
 
 
+@pytest.mark.parametrize("torch_threads", [1, 2], ids=["one_torch_thread", "two_torch_threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_threads_give_the_serial_results_cpu(generator, dtype):
+def test_four_threads_give_the_serial_results_cpu(generator, dtype, torch_threads):
+    # Two threads on each problem; each sets torch's thread count too (it is per process), so
+    # the kernels of all four share one OpenMP pool of that size.
     problems = two_problems(generator, "cpu", dtype)
     serial = [forward_and_grads(*p) for p in problems]
 
     def body(problem, expected):
         def run():
+            torch.set_num_threads(torch_threads)
             for _ in range(ROUNDS):
                 for got, want in zip(forward_and_grads(*problem), expected):
                     assert torch.equal(got, want)
         return run
 
-    run_in_threads(*(body(p, e) for p, e in zip(problems, serial)))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        run_in_threads(*(body(p, e) for p, e in zip(problems, serial) for _ in range(2)))
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _fail(lib, channels, dtype_code):
