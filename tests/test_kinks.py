@@ -1,5 +1,5 @@
 """tests/test_kinks.py: the location gradient where bilinear sampling has a kink, and which side
-each implementation takes there (README, "Use": the rule at the kinks).
+each implementation takes there (docs/numerics.md: the rule at the kinks).
 
 Bilinear sampling is continuous but only piecewise linear in the location: its slope along x
 jumps where the pixel coordinate x = loc_x * W - 0.5 is an integer (likewise y). The rule, in

@@ -123,7 +123,7 @@ def test_has_cuda_agrees_with_torch_and_library():
                             library.msda_cuda_archs())
 
 
-# ---- GPU architectures (issue 8) ----------------------------------------------------------------
+# ---- GPU architectures --------------------------------------------------------------------------
 
 def find_cuobjdump():
     """cuobjdump from the PATH, the CUDA toolkit of nvcc, or pip's nvidia-cuda-cuobjdump."""
@@ -289,7 +289,7 @@ def test_python_m_pymsda_says_which_package_and_library_and_why(monkeypatch):
     assert reason["PYMSDA_LIBRARY"] in "\n".join(cli.where())
 
 
-# ---- the wheel (issue 8) ------------------------------------------------------------------------
+# ---- the wheel ----------------------------------------------------------------------------------
 
 def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "pymsda"))
