@@ -99,6 +99,19 @@ MSDA_HOST_DEVICE void msda_derive_level_starts(int64_t L, int64_t S, int index_d
 }
 #undef MSDA_HOST_DEVICE
 
+/* Blocks of a grid whose blocks take `per_block` consecutive items each: at least 1, at most
+ * `max_blocks` (a grid-stride loop takes the rest). The one block count of every launch. The
+ * fast kernels' blocks each take a run of consecutive items, so the blocks resident at any
+ * moment cover a compact window of neighbouring queries (L2 reuse; a persistent grid whose
+ * blocks each walk a long run lost: kernels/TUNING.md, forward v3). */
+static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block, int64_t max_blocks) {
+    int64_t blocks = (items + per_block - 1) / per_block;
+    if (blocks > max_blocks) blocks = max_blocks;
+    return (unsigned int)(blocks < 1 ? 1 : blocks);
+}
+/* The most blocks a grid's x dimension takes. */
+#define MSDA_MAX_GRID_BLOCKS 0x7fffffff
+
 /* ---- the CUDA backward's route (c/routes.c; the launcher in kernels/ switches on it) ---------
  * Constants the host plans with and the kernels are built with: the fast kernels' level table
  * size, the blocks of the per-point kernel a multiprocessor holds (its launch bound), the most

@@ -27,13 +27,6 @@ int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code) {
            !sm90_code;
 }
 
-/* One block per `per_block` consecutive items (capped at 2^31 - 1 blocks; the kernels stride). */
-static unsigned int item_blocks(int64_t items, int64_t per_block) {
-    int64_t blocks = (items + per_block - 1) / per_block;
-    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
-}
-
 /* Slices of each item's points: a grid too small to fill the GPU twice over (decoders of a few
  * hundred queries) splits every item's points over up to MSDA_BWD_MAX_SLICES blocks, at least 4
  * points a slice, so more blocks run; point gradients are per point and grad_value is atomic,
@@ -64,7 +57,8 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     const int G = aligned16 ? msda_fast_group(pr) : 0;
     if (G == 0) {
         plan->kernel = MSDA_ROUTE_GENERIC;
-        plan->blocks = item_blocks(items, 8); /* 8 warps a block, one warp an item */
+        /* 8 warps a block, one warp an item */
+        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
         return;
     }
     const int opt = msda_needs_general(pr);
@@ -72,11 +66,12 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
      * value rows; decoders (a few hundred scattered queries) measured slower there */
     const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
-    plan->blocks = item_blocks(items, 256 / G);
+    plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
-        plan->blocks = item_blocks(items, 512 / G); /* two items a group of G threads */
+        /* two items a group of G threads */
+        plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !opt && plan->slices > 1 && pr->dtype != MSDA_F16) {
         /* sliced points scattered after the zeroing: H100 ddetr_dec f32 / bf16 backward 0.0422
@@ -86,7 +81,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     } else if (!det && !opt && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
         /* 2 channels a thread: twice the threads of the 4-channel form */
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
-        plan->blocks = item_blocks(items, 256 / (2 * G));
+        plan->blocks = msda_grid_blocks(items, 256 / (2 * G), MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !opt && !aggregates && pr->dtype == MSDA_BF16) {
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;

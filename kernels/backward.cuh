@@ -35,12 +35,8 @@ cudaError_t msda_backward_launch_f64(const msda_problem *pr, cudaStream_t stream
 cudaError_t msda_backward_launch_f16(const msda_problem *pr, cudaStream_t stream);
 cudaError_t msda_backward_launch_bf16(const msda_problem *pr, cudaStream_t stream);
 
-static inline unsigned int flat_blocks(int64_t n) {
-    int64_t blocks = (n + 255) / 256;
-    if (blocks > 65536) blocks = 65536;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
-}
-
+/* Most blocks of the grid-stride kernels of kernels/backward_aux.cuh (256 threads a block). */
+static constexpr int64_t kAuxMaxBlocks = 65536;
 
 static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
@@ -128,8 +124,7 @@ static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_pl
     if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
-    const unsigned int blocks = warp_blocks(pr->B * pr->Q * pr->H);
-    msda_backward_kernel<T, DET><<<blocks, 256, 0, stream>>>(*pr);
+    msda_backward_kernel<T, DET><<<plan.blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
@@ -147,7 +142,8 @@ static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) 
                                 ? memset_grad_value(&buffered, n_value * 4, stream)
                                 : launch_kernels<T, false>(&buffered, plan, stream, n_value * 4);
             if (e != cudaSuccess) return e;
-            half_convert_kernel<T><<<flat_blocks((n_value + 7) / 8), 256, 0, stream>>>(*pr);
+            const unsigned int blocks = msda_grid_blocks((n_value + 7) / 8, 256, kAuxMaxBlocks);
+            half_convert_kernel<T><<<blocks, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
         return cudaErrorNotSupported;
@@ -158,9 +154,11 @@ static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) 
         return launch_kernels<T, false>(pr, plan, stream, n_value * (int64_t)sizeof(T));
     cudaError_t e = cudaMemsetAsync(pr->workspace, 0, MSDA_DET_HEADER_BYTES + (size_t)n_value * 8, stream);
     if (e != cudaSuccess) return e;
-    det_scan_kernel<T><<<flat_blocks(pr->B * pr->Q * pr->H * pr->C), 256, 0, stream>>>(*pr);
+    const int64_t n_grad_output = pr->B * pr->Q * pr->H * pr->C;
+    const unsigned int scan_blocks = msda_grid_blocks(n_grad_output, 256, kAuxMaxBlocks);
+    det_scan_kernel<T><<<scan_blocks, 256, 0, stream>>>(*pr);
     e = launch_kernels<T, true>(pr, plan, stream, 0);
     if (e != cudaSuccess) return e;
-    det_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
+    det_convert_kernel<T><<<msda_grid_blocks(n_value, 256, kAuxMaxBlocks), 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }

@@ -240,11 +240,3 @@ static inline int run_launcher(const char *fn, const msda_problem *pr,
     MSDA_CUDA_CHECK(fn, cudaGetLastError());
     return MSDA_OK;
 }
-
-/* Blocks for a grid-stride loop over `items` warps of 32 threads, 256 threads a block. */
-static inline unsigned int warp_blocks(int64_t items) {
-    const int64_t warps_per_block = 8;
-    int64_t blocks = (items + warps_per_block - 1) / warps_per_block;
-    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
-}

@@ -136,7 +136,8 @@ __global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_prob
 template <typename T, int G, int V>
 static void launch_fast_v(const msda_problem *pr, cudaStream_t stream) {
     constexpr int NT = FwdThreads<V>::NT;
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, NT / G);
+    const unsigned int blocks =
+        msda_grid_blocks(pr->B * pr->Q * pr->H, NT / G, MSDA_MAX_GRID_BLOCKS);
     if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, NT, 0, stream>>>(*pr);
     else msda_forward_fast<T, G, false, V><<<blocks, NT, 0, stream>>>(*pr);
 }
@@ -167,7 +168,9 @@ template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStre
         default: break;
         }
     }
-    msda_forward_kernel<T><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
+    /* one warp an item, 8 a block */
+    const unsigned int blocks = msda_grid_blocks(pr->B * pr->Q * pr->H, 8, MSDA_MAX_GRID_BLOCKS);
+    msda_forward_kernel<T><<<blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 

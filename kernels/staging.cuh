@@ -4,8 +4,8 @@
  * overlapping pixels), an encoder's as tiles of neighbouring pixels. The geometry of K points
  * per item is computed once per point by the whole block and kept in shared memory (corner
  * offsets, or -1 outside; weights), then read by every thread of the item's group.
- * Host side: fast_group (G, or 0 where the generic kernels must serve: c/routes.c) and the grid
- * size. Item indices and offsets are int32: the fast path needs B*S*H*C < 2^31. */
+ * Host side: fast_group (G, or 0 where the generic kernels must serve: c/routes.c). Item
+ * indices and offsets are int32: the fast path needs B*S*H*C < 2^31. */
 #pragma once
 
 #include "geometry.cuh"
@@ -217,16 +217,4 @@ static inline int fast_group(const msda_problem *pr, const void *const *ptrs, in
     for (int j = 0; j < n_ptrs; j++)
         if (ptrs[j] && ((uintptr_t)ptrs[j] & 15) != 0) return 0;
     return msda_fast_group(pr);
-}
-
-/* Blocks for a fast kernel of ipb items a block (256 / G with G threads per item; twice that in
- * the aggregated backward): one block per ipb consecutive items, so the blocks resident at any
- * moment cover a compact window of neighbouring queries (good L2 reuse); grid-stride beyond
- * 2^31 - 1 blocks. A persistent grid whose blocks each walk a contiguous run of items was
- * slower (ddetr_enc f32 forward 0.41 vs 0.30 ms on an H100): its resident blocks spread over
- * the whole value tensor at once. */
-static inline unsigned int item_blocks(int64_t items, int64_t ipb) {
-    int64_t blocks = (items + ipb - 1) / ipb;
-    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
 }
