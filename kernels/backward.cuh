@@ -111,15 +111,10 @@ template <typename T, bool DET>
 static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_plan &plan,
                                   cudaStream_t stream, int64_t bytes) {
     if constexpr (HasFast<T>::value) {
-        switch (plan.group) {
-        case 1: return launch_fast<T, 1, DET>(pr, plan, stream, bytes);
-        case 2: return launch_fast<T, 2, DET>(pr, plan, stream, bytes);
-        case 4: return launch_fast<T, 4, DET>(pr, plan, stream, bytes);
-        case 8: return launch_fast<T, 8, DET>(pr, plan, stream, bytes);
-        case 16: return launch_fast<T, 16, DET>(pr, plan, stream, bytes);
-        case 32: return launch_fast<T, 32, DET>(pr, plan, stream, bytes);
-        default: break;
-        }
+        if (plan.group)
+            return with_group(plan.group, [&](auto g) {
+                return launch_fast<T, decltype(g)::value, DET>(pr, plan, stream, bytes);
+            });
     }
     if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
     const cudaError_t e = memset_grad_value(pr, bytes, stream);

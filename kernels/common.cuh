@@ -240,3 +240,18 @@ static inline int run_launcher(const char *fn, const msda_problem *pr,
     MSDA_CUDA_CHECK(fn, cudaGetLastError());
     return MSDA_OK;
 }
+
+/* launch(std::integral_constant<int, G>()) for a runtime group size G (the fast kernels' threads
+ * an item: 1, 2, 4, ..., 32), the one place where G becomes a template argument; any other G is
+ * cudaErrorNotSupported. */
+template <typename Launch> static cudaError_t with_group(int G, Launch &&launch) {
+    switch (G) {
+    case 1: return launch(std::integral_constant<int, 1>());
+    case 2: return launch(std::integral_constant<int, 2>());
+    case 4: return launch(std::integral_constant<int, 4>());
+    case 8: return launch(std::integral_constant<int, 8>());
+    case 16: return launch(std::integral_constant<int, 16>());
+    case 32: return launch(std::integral_constant<int, 32>());
+    default: return cudaErrorNotSupported;
+    }
+}

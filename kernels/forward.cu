@@ -158,15 +158,11 @@ static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
     if constexpr (HasFast<T>::value) {
         const void *ptrs[] = {pr->value, pr->output};
-        switch (fast_group(pr, ptrs, 2)) {
-        case 1: return launch_fast<T, 1>(pr, stream);
-        case 2: return launch_fast<T, 2>(pr, stream);
-        case 4: return launch_fast<T, 4>(pr, stream);
-        case 8: return launch_fast<T, 8>(pr, stream);
-        case 16: return launch_fast<T, 16>(pr, stream);
-        case 32: return launch_fast<T, 32>(pr, stream);
-        default: break;
-        }
+        const int G = fast_group(pr, ptrs, 2);
+        if (G)
+            return with_group(G, [&](auto g) {
+                return launch_fast<T, decltype(g)::value>(pr, stream);
+            });
     }
     /* one warp an item, 8 a block */
     const unsigned int blocks = msda_grid_blocks(pr->B * pr->Q * pr->H, 8, MSDA_MAX_GRID_BLOCKS);
