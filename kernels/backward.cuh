@@ -38,17 +38,15 @@ cudaError_t msda_backward_launch_bf16(const msda_problem *pr, cudaStream_t strea
 /* Most blocks of the grid-stride kernels of kernels/backward_aux.cuh (256 threads a block). */
 static constexpr int64_t kAuxMaxBlocks = 65536;
 
-static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 // ---------------------------------------------------------------------------------------------
 // launch: the route's kernels, templated on the dtype
 
 /* The aggregated kernel for points stored as P (kernels/common.cuh: PointTensor): with every
  * gradient wanted (FULL), with options (OPT) or else. */
 template <typename T, typename P, int G, bool DET>
-static cudaError_t launch_aggregated(const msda_problem *pr, dim3 grid, cudaStream_t stream,
-                                     int64_t bytes) {
-    if (msda_needs_general(pr))
+static cudaError_t launch_aggregated(const msda_problem *pr, const msda_backward_plan &plan,
+                                     dim3 grid, cudaStream_t stream, int64_t bytes) {
+    if (plan.options)
         return zero_then_launch(msda_backward_agg<T, G, true, DET, false, P>, grid, bytes, pr,
                                 stream);
     if constexpr (!DET) {
@@ -66,14 +64,13 @@ template <typename T, int G, bool DET>
 static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan &plan,
                                cudaStream_t stream, int64_t bytes) {
     const dim3 grid(plan.blocks, plan.slices);
-    const bool opt = msda_needs_general(pr);
     switch (plan.kernel) {
     case MSDA_ROUTE_AGGREGATED:
         if constexpr (G >= 4) {
             if constexpr (IsHalf<T>::value)
                 if (pr->flags & MSDA_POINTS_F32)
-                    return launch_aggregated<T, float, G, DET>(pr, grid, stream, bytes);
-            return launch_aggregated<T, T, G, DET>(pr, grid, stream, bytes);
+                    return launch_aggregated<T, float, G, DET>(pr, plan, grid, stream, bytes);
+            return launch_aggregated<T, T, G, DET>(pr, plan, grid, stream, bytes);
         }
         break;
     case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing (SPLIT) */
@@ -98,7 +95,7 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan 
     case MSDA_ROUTE_POINT: {
         const cudaError_t e = memset_grad_value(pr, bytes, stream);
         if (e != cudaSuccess) return e;
-        if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
+        if (plan.options) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
         else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
         return cudaSuccess;
     }

@@ -241,6 +241,8 @@ static inline int run_launcher(const char *fn, const msda_problem *pr,
     return MSDA_OK;
 }
 
+static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
 /* launch(std::integral_constant<int, G>()) for a runtime group size G (the fast kernels' threads
  * an item: 1, 2, 4, ..., 32), the one place where G becomes a template argument; any other G is
  * cudaErrorNotSupported. */

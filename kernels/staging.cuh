@@ -4,8 +4,8 @@
  * overlapping pixels), an encoder's as tiles of neighbouring pixels. The geometry of K points
  * per item is computed once per point by the whole block and kept in shared memory (corner
  * offsets, or -1 outside; weights), then read by every thread of the item's group.
- * Host side: fast_group (G, or 0 where the generic kernels must serve: c/routes.c). Item
- * indices and offsets are int32: the fast path needs B*S*H*C < 2^31. */
+ * Item indices and offsets are int32: the fast path needs B*S*H*C < 2^31 (c/routes.c chooses
+ * where it serves: msda_fast_group). */
 #pragma once
 
 #include "geometry.cuh"
@@ -209,12 +209,4 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
     }
-}
-
-/* G = C / 4 when the fast kernels can serve this problem (msda_fast_group) and the tensors in
- * ptrs are 16-byte aligned, else 0. */
-static inline int fast_group(const msda_problem *pr, const void *const *ptrs, int n_ptrs) {
-    for (int j = 0; j < n_ptrs; j++)
-        if (ptrs[j] && ((uintptr_t)ptrs[j] & 15) != 0) return 0;
-    return msda_fast_group(pr);
 }
