@@ -22,27 +22,22 @@ int msda_fast_group(const msda_problem *pr) {
 
 void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan) {
     const int64_t items = pr->B * pr->Q * pr->H;
+    const int G = aligned16 ? msda_fast_group(pr) : 0;
+    /* half types in encoders: 8 channels a thread, half the threads an item */
+    const int wide = is_half(pr->dtype) && G >= 2 && items >= MSDA_FWD_WIDE_MIN_ITEMS;
     plan->options = msda_needs_general(pr);
-    plan->group = 0;
-    plan->blocks = 1;
+    plan->group = wide ? G / 2 : G;
     if (pr->B * pr->Q == 0) {
         plan->kernel = MSDA_FWD_ROUTE_NONE;
-        return;
-    }
-    const int G = aligned16 ? msda_fast_group(pr) : 0;
-    if (G == 0) {
+        plan->group = 0;
+        plan->blocks = 1;
+    } else if (G == 0) { /* one warp an item, 8 a block */
         plan->kernel = MSDA_FWD_ROUTE_GENERIC;
-        /* 8 warps a block, one warp an item */
         plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
-    } else if (is_half(pr->dtype) && G >= 2 && items >= MSDA_FWD_WIDE_MIN_ITEMS) {
-        plan->kernel = MSDA_FWD_ROUTE_WIDE; /* 8 channels a thread: half the threads an item */
-        plan->group = G / 2;
-        plan->blocks = msda_grid_blocks(items, MSDA_FWD_WIDE_THREADS / plan->group,
-                                        MSDA_MAX_GRID_BLOCKS);
     } else {
-        plan->kernel = MSDA_FWD_ROUTE_FAST;
-        plan->group = G;
-        plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
+        plan->kernel = wide ? MSDA_FWD_ROUTE_WIDE : MSDA_FWD_ROUTE_FAST;
+        const int threads = wide ? MSDA_FWD_WIDE_THREADS : 256;
+        plan->blocks = msda_grid_blocks(items, threads / plan->group, MSDA_MAX_GRID_BLOCKS);
     }
 }
 
