@@ -41,20 +41,20 @@ static constexpr int64_t kAuxMaxBlocks = 65536;
 // ---------------------------------------------------------------------------------------------
 // launch: the route's kernels, templated on the dtype
 
-/* The aggregated kernel for points stored as P (kernels/common.cuh: PointTensor): with every
- * gradient wanted (FULL), with options (OPT) or else. */
+/* The aggregated kernel for points stored as P (kernels/common.cuh: PointTensor): with the
+ * option code, with every gradient wanted, or plain. */
 template <typename T, typename P, int G, bool DET>
 static cudaError_t launch_aggregated(const msda_problem *pr, const msda_backward_plan &plan,
                                      dim3 grid, cudaStream_t stream, int64_t bytes) {
     if (plan.options)
-        return zero_then_launch(msda_backward_agg<T, G, true, DET, false, P>, grid, bytes, pr,
-                                stream);
+        return zero_then_launch(msda_backward_agg<T, G, AggregatedWithOptions<DET, P>>, grid,
+                                bytes, pr, stream);
     if constexpr (!DET) {
         if (pr->grad_value && pr->grad_sampling_locations && pr->grad_attention_weights)
-            return zero_then_launch(msda_backward_agg<T, G, false, false, true, P>, grid, bytes,
-                                    pr, stream);
+            return zero_then_launch(msda_backward_agg<T, G, AggregatedAllGradients<P>>, grid,
+                                    bytes, pr, stream);
     }
-    return zero_then_launch(msda_backward_agg<T, G, false, DET, false, P>, grid, bytes, pr,
+    return zero_then_launch(msda_backward_agg<T, G, Aggregated<DET, P>>, grid, bytes, pr,
                             stream);
 }
 
@@ -73,30 +73,31 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan 
             return launch_aggregated<T, T, G, DET>(pr, plan, grid, stream, bytes);
         }
         break;
-    case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing (SPLIT) */
+    case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing */
         if constexpr (!DET)
-            return zero_then_launch(msda_backward_fast<T, G, false, false, true>, grid, bytes,
-                                    pr, stream);
+            return zero_then_launch(msda_backward_fast<T, G, PerPointSliced>, grid, bytes, pr,
+                                    stream);
         break;
     case MSDA_ROUTE_POINT_PIPELINED:
         if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
             /* f32: 2 channels a thread (G = 2 * C / 4 threads an item) */
             const cudaError_t e = memset_grad_value(pr, bytes, stream);
             if (e != cudaSuccess) return e;
-            msda_backward_fast<T, 2 * G, false, false, false, 2, true><<<grid, 256, 0, stream>>>(*pr);
+            msda_backward_fast<T, 2 * G, PerPointPipelined<2>><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         } else if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value) {
             const cudaError_t e = memset_grad_value(pr, bytes, stream);
             if (e != cudaSuccess) return e;
-            msda_backward_fast<T, G, false, false, false, 4, true><<<grid, 256, 0, stream>>>(*pr);
+            msda_backward_fast<T, G, PerPointPipelined<4>><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
         break;
     case MSDA_ROUTE_POINT: {
         const cudaError_t e = memset_grad_value(pr, bytes, stream);
         if (e != cudaSuccess) return e;
-        if (plan.options) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
-        else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
+        if (plan.options)
+            msda_backward_fast<T, G, PerPointWithOptions<DET>><<<grid, 256, 0, stream>>>(*pr);
+        else msda_backward_fast<T, G, PerPoint<DET>><<<grid, 256, 0, stream>>>(*pr);
         return cudaSuccess;
     }
     default: break;

@@ -213,8 +213,24 @@ template <typename T, int G> struct DetRowSums {
  * part + (G/2) * q there, so a walker's atomics cover whole sectors. The point gradients come
  * from dots summed in a fixed order either way. */
 #define MSDA_AGG_BUCKETS 16 /* segment lengths 1 .. 15 and 16 or more */
-template <typename T, int G, bool OPT, bool DET, bool FULL, typename P>
+
+/* What an instance of msda_backward_agg is compiled for (its Form): OPT, the option code
+ * (per-level points, nearest); DET, grad_value in fixed point; FULL, every gradient wanted (the
+ * walk tests no pointer); P, the points' storage (kernels/common.cuh: PointTensor). A launch
+ * names one of the forms below. */
+template <bool OPT_, bool DET_, bool FULL_, typename P_> struct AggForm {
+    static constexpr bool OPT = OPT_, DET = DET_, FULL = FULL_;
+    typedef P_ P;
+};
+/* MSDA_ROUTE_AGGREGATED: plain, with the option code, or plain with every gradient wanted */
+template <bool DET, typename P> using Aggregated = AggForm<false, DET, false, P>;
+template <bool DET, typename P> using AggregatedWithOptions = AggForm<true, DET, false, P>;
+template <typename P> using AggregatedAllGradients = AggForm<false, false, true, P>;
+
+template <typename T, int G, typename Form>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
+    constexpr bool OPT = Form::OPT, DET = Form::DET, FULL = Form::FULL;
+    typedef typename Form::P P;
     constexpr int V = 4;
     typedef StageAgg<G> St;
     /* One shared object, so every array is one base address plus a constant: with separate

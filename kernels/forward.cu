@@ -56,15 +56,26 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
 #define MSDA_FWD_UNROLL 8
 #endif
 static constexpr int kFwdUnroll = MSDA_FWD_UNROLL;
-/* Threads a block: MSDA_FWD_WIDE_THREADS for 8 channels a thread (c/msda_internal.h), else 256. */
-template <int V> struct FwdThreads {
-    static constexpr int NT = V == 8 ? MSDA_FWD_WIDE_THREADS : 256;
+/* What an instance of msda_forward_fast is compiled for (its Form): OPT, the option code
+ * (per-level points, nearest); V channels a thread; NT threads a block (MSDA_FWD_WIDE_THREADS
+ * for 8 channels, c/msda_internal.h). A launch names one of the routes' forms below. */
+template <bool OPT_, int V_> struct ForwardForm {
+    static constexpr bool OPT = OPT_;
+    static constexpr int V = V_, NT = V_ == 8 ? MSDA_FWD_WIDE_THREADS : 256;
 };
+/* MSDA_FWD_ROUTE_FAST (4 channels a thread) and MSDA_FWD_ROUTE_WIDE (8), plain or with the
+ * option code */
+using Fast = ForwardForm<false, 4>;
+using FastWithOptions = ForwardForm<true, 4>;
+using Wide = ForwardForm<false, 8>;
+using WideWithOptions = ForwardForm<true, 8>;
 
-template <typename T, int G, bool OPT, int V>
-__global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_problem pr) {
+template <typename T, int G, typename Form>
+__global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
+    constexpr bool OPT = Form::OPT;
+    constexpr int V = Form::V;
     static_assert(V == 4 || V == 8, "4 or 8 channels a thread");
-    typedef Stage<G, FwdThreads<V>::NT> St;
+    typedef Stage<G, Form::NT> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_w[St::IPB * St::STRIDE];
@@ -129,12 +140,10 @@ static msda_forward_plan plan_of(const msda_problem *pr) {
     return plan;
 }
 
-template <typename T, int G, int V>
-static cudaError_t launch_fast_v(const msda_problem *pr, const msda_forward_plan &plan,
-                                 cudaStream_t stream) {
-    constexpr int NT = FwdThreads<V>::NT;
-    if (plan.options) msda_forward_fast<T, G, true, V><<<plan.blocks, NT, 0, stream>>>(*pr);
-    else msda_forward_fast<T, G, false, V><<<plan.blocks, NT, 0, stream>>>(*pr);
+template <typename T, int G, typename Form>
+static cudaError_t launch_form(const msda_problem *pr, const msda_forward_plan &plan,
+                               cudaStream_t stream) {
+    msda_forward_fast<T, G, Form><<<plan.blocks, Form::NT, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
@@ -144,9 +153,13 @@ template <typename T, int G>
 static cudaError_t launch_fast(const msda_problem *pr, const msda_forward_plan &plan,
                                cudaStream_t stream) {
     switch (plan.kernel) {
-    case MSDA_FWD_ROUTE_FAST: return launch_fast_v<T, G, 4>(pr, plan, stream);
+    case MSDA_FWD_ROUTE_FAST:
+        return plan.options ? launch_form<T, G, FastWithOptions>(pr, plan, stream)
+                            : launch_form<T, G, Fast>(pr, plan, stream);
     case MSDA_FWD_ROUTE_WIDE: /* half types, 2 <= C / 4 <= 32 */
-        if constexpr (IsHalf<T>::value && G <= 16) return launch_fast_v<T, G, 8>(pr, plan, stream);
+        if constexpr (IsHalf<T>::value && G <= 16)
+            return plan.options ? launch_form<T, G, WideWithOptions>(pr, plan, stream)
+                                : launch_form<T, G, Wide>(pr, plan, stream);
         break;
     default: break;
     }
