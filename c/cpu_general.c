@@ -13,11 +13,10 @@
  * grad_output row once per (b, q, h). Channel loops are innermost and contiguous. With
  * MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write
  * their gradients as float32, testing the flag per point, outside the channel loops.
- * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply.
- * One thread, B=2 Q=300 H=8 C=32 L=4 P=4 f32, on the shared 2-core VM (noise +-30%): the tuned
- * plain op 2.5-4.5 ms forward / 12-17 ms backward; here nearest 3.5-4.5 / 6.5-16 ms.
- * The per-element-type kernels are cpu_general.inc, included once per type (as cpu_kernels.c
- * includes cpu_kernels.inc).
+ * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply
+ * (their times beside the tuned plain op's: kernels/TUNING.md, CPU "general").
+ * The per-element-type kernels are cpu_general.inc, included once per type in the idiom of
+ * c/cpu_common.h (as cpu_kernels.c includes cpu_kernels.inc).
  */
 
 #include <math.h>

@@ -1,10 +1,10 @@
 /* c/cpu_kernels.c: MSDA forward and backward on the CPU (math: c/msda.h), threaded with OpenMP;
  * the per-dtype kernels are cpu_kernels.inc, included once per element type. A "row" is the C
  * channels of value[b, s, h, :].
- * Geometry (cpu_geometry.inc): a (b, q, h)'s points are located 16 at a time in one vectorised loop, in
- *   double, where x, the cell, the fraction and the corner offsets are exact (fx rounded once);
- *   each point's level from a per-call table. A corner outside its level or [0, S) reads a zero
- *   row with weight 0.
+ * Geometry (cpu_geometry.inc): a (b, q, h)'s points are located 16 at a time in one vectorised
+ *   loop, in double, where x, the cell, the fraction and the corner offsets are exact (fx
+ *   rounded once); each point's level from a per-call table. A corner outside its level or
+ *   [0, S) reads a zero row with weight 0.
  * Query order (query_order): a decoder's queries (Q != S, Q <= 4096) are walked in Z-order of
  *   where they sample (a stable radix sort), so neighbouring queries share lines and pages; the
  *   out-of-order rows are prefetched two queries ahead. The order depends on the inputs only.
@@ -51,8 +51,8 @@
  * The v4 clone keeps the backward's 32-byte vectors (GCC's generic tuning prefers 256-bit ones)
  * but has 32 vector registers (no spills around the channel loops), mask compares and 8-lane
  * double geometry: fewer instructions a point, the same operations and results as the v3 clone
- * (kernels/TUNING.md, CPU v12). Elsewhere (aarch64, compilers without target_clones) the attribute is empty and
- * the baseline build is used. */
+ * (kernels/TUNING.md, CPU v12). Elsewhere (aarch64, compilers without target_clones) the
+ * attribute is empty and the baseline build is used. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
     !defined(MSDA_NO_CLONES)
 #define MSDA_CLONES \
@@ -115,12 +115,11 @@ static void free_tables(cpu_tables *t) { free(t); }
 /* Asks Linux to back grad_value, which the kernel is about to write in full and then scatters
  * into at random, with transparent huge pages: fewer TLB misses in the scatter. Python hands
  * out CPU gradients from a pool of reused buffers (pymsda/_buffers.py), so the pages are faulted
- * in once, not on every call, and the advice pays from 4 MB: 1 thread, pooled, dec300 (11 MB)
- * C backward median 3.48-3.58 -> 2.76-2.90 ms, ddetr_dec (40 MB) 5.2-5.3 -> 4.7-5.1 ms
- * (kernels/TUNING.md, CPU v14). Unpooled buffers, which glibc maps afresh or regrows its heap
- * for, pay 5-10 ms more per regrowth with huge pages on this VM (v13); the pool is the remedy.
- * Only whole 2 MB pages inside the buffer are advised, so no other memory is affected; failure is
- * harmless. MSDA_HUGE_MIN_BYTES (-D) moves the threshold for experiments. */
+ * in once, not on every call, and the advice pays from 4 MB (kernels/TUNING.md, CPU "v14 huge
+ * pages"). Unpooled buffers, which glibc maps afresh or regrows its heap for, pay more per
+ * regrowth with huge pages (CPU v13); the pool is the remedy. Only whole 2 MB pages inside the
+ * buffer are advised, so no other memory is affected; failure is harmless.
+ * MSDA_HUGE_MIN_BYTES (-D) moves the threshold for experiments. */
 #ifndef MSDA_HUGE_MIN_BYTES
 #define MSDA_HUGE_MIN_BYTES ((int64_t)4 << 20)
 #endif
@@ -138,8 +137,8 @@ static void advise_huge_pages(void *ptr, int64_t bytes) {
 
 /* Prefetches the cache lines of a row about to be read / written (the first 256 bytes: wider
  * rows are streams the hardware prefetcher follows). Locality 1 (prefetcht2 / prefetchw on x86):
- * into the outer caches, which measured 10-30% faster on the decoder shapes than into L1
- * (locality 3) and much faster than non-temporal (0). */
+ * into the outer caches, faster on the decoder shapes than into L1 (locality 3) or
+ * non-temporal (0): kernels/TUNING.md, CPU v4. */
 static inline void msda_prefetch_read(const void *row, int64_t bytes) {
     const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63;
     const uintptr_t end = (uintptr_t)row + (uintptr_t)(bytes < 256 ? bytes : 256);

@@ -85,7 +85,8 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         return;
     }
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
-     * value rows; decoders (a few hundred scattered queries) measured slower there */
+     * value rows; decoders (a few hundred scattered queries) are slower there (kernels/TUNING.md,
+     * backward v53) */
     const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
     plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
@@ -96,9 +97,9 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !plan->options && plan->slices > 1 && pr->dtype != MSDA_F16) {
-        /* sliced points scattered after the zeroing: H100 ddetr_dec f32 / bf16 backward 0.0422
-         * / 0.0291 ms against 0.0435 / 0.0297 for the per-point kernel with sliced points; f16
-         * lost (0.0290 against 0.0287) and takes that kernel */
+        /* sliced points scattered after the zeroing: faster than the per-point kernel with
+         * sliced points in f32 and bf16; f16 is not and takes that kernel (kernels/TUNING.md,
+         * "Re-measured in the redesign": POINT_SLICED) */
         plan->kernel = MSDA_ROUTE_POINT_SLICED;
     } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
         /* 2 channels a thread: twice the threads of the 4-channel form */

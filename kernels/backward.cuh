@@ -14,7 +14,11 @@
 
 /* Multiprocessors of a device, asked once; 0 where the question fails. */
 int sm_count(int device);
-/* Whether the kernels that run on `device` are code for sm_90 or newer (see backward.cu). */
+/* Whether the kernels that run on `device` are code for sm_90 or newer (half-precision vector
+ * reductions, programmatic dependent launch). The code a device runs is the build's machine
+ * code for its architecture or, failing that, PTX of an older one compiled for it: the kernels'
+ * PTX version says which, so a build without sm_90 code run on an H100 takes the older paths.
+ * Asked once per device; false where the question fails. */
 bool sm90_code(int device);
 /* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
 msda_backward_plan plan_of(const msda_problem *pr);

@@ -17,7 +17,7 @@
 /* Slot lists longer than MSDA_AGG_CAP are walked in segments by several walkers: the filer of a
  * row's n-th slot (n = MSDA_AGG_CAP, 2 * MSDA_AGG_CAP, ...) marks it, and a segment runs from
  * the list's head, or from a marked slot, to the next marked slot. */
-#define MSDA_AGG_CAP 16 /* 8 measured slower (more walkers and atomics) */
+#define MSDA_AGG_CAP 16 /* 8, 12, 24, 32 slower (kernels/TUNING.md, aggregated v28, v37) */
 #define MSDA_AGG_MARK 0x4000
 #define MSDA_AGG_LINK 0x3fff
 
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     const bool point_grads = FULL || grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
-    long long *det_acc = nullptr; /* DET: the fixed-point grad_value (see common.cuh) */
+    long long *det_acc = nullptr; /* DET: the fixed-point grad_value (deterministic.cuh) */
     float scale = 0.f;
     if (DET && pr.grad_value) {
         det_acc = (long long *)((char *)pr.workspace + MSDA_DET_HEADER_BYTES);

@@ -40,10 +40,10 @@ template <> struct IsHalf<__nv_bfloat16> { static constexpr bool value = true; }
 /* A point tensor (sampling_locations, attention_weights or one of their gradients) of a
  * problem whose value is T, read as Acc and written from Acc. Its elements: P (T, or float
  * with a half T), or with P = void as pr.flags says: T, or float32 with MSDA_POINTS_F32 (half
- * T only; for f32 and f64 the test folds to false at compile time). The runtime test costs
- * the aggregated backward 1.5% in the all-half encoders (H100), so that kernel is compiled
- * for each P; elsewhere it costs nothing measurable (the forward was 2-5% faster with it:
- * its loads are issued earlier; kernels/TUNING.md). */
+ * T only; for f32 and f64 the test folds to false at compile time). The aggregated backward,
+ * which the runtime test slows, is compiled for each P; elsewhere the test costs nothing
+ * measurable (the forward gained with it: its loads are issued earlier). kernels/TUNING.md,
+ * "Float32 points with a half value". */
 template <typename T, typename P = void> struct PointTensor {
     typedef typename AccOf<T>::type Acc;
     static constexpr bool RUNTIME = std::is_same<P, void>::value;

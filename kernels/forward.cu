@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     }
 }
 
-/* Unrolling of the point loop: 8 measured 2-4% faster than 4 (more gathers in flight, the
- * same registers), 16 slower in f32 and m2f_enc. */
+/* Unrolling of the point loop: 8, faster than 4 (more gathers in flight, the same registers)
+ * and than 16 (kernels/TUNING.md, forward v21). */
 #ifndef MSDA_FWD_UNROLL
 #define MSDA_FWD_UNROLL 8
 #endif
