@@ -13,38 +13,27 @@
  * grad_output row once per (b, q, h). Channel loops are innermost and contiguous. With
  * MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write
  * their gradients as float32, testing the flag per point, outside the channel loops.
- * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply.
- * One thread, B=2 Q=300 H=8 C=32 L=4 P=4 f32, on the shared 2-core VM (noise +-30%): the tuned
- * plain op 2.5-4.5 ms forward / 12-17 ms backward; here nearest 3.5-4.5 / 6.5-16 ms.
- * The per-element-type kernels are cpu_general.inc, included once per type (as cpu_kernels.c
- * includes cpu_kernels.inc).
+ * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply
+ * (their times beside the tuned plain op's: kernels/TUNING.md, CPU "general").
+ * The per-element-type kernels are cpu_general.inc, included once per type in the idiom of
+ * c/cpu_common.h (as cpu_kernels.c includes cpu_kernels.inc).
  */
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
-#include "msda_internal.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_common.h"
 
 // ---------------------------------------------------------------------------------------------
 // helpers
 
-typedef struct {
-    int64_t h, w, start; /* h = w = 0: a level no point can land in */
-} general_level;
-
-/* What every task of one call shares. */
-typedef struct {
+/* What every task of one call shares (c/cpu_common.h: the per-call tables). */
+struct cpu_tables {
     const msda_problem *pr;
-    general_level *levels; /* L entries */
-    int32_t *point_level;  /* NP entries: the level of each point of a (b, q, h) */
+    cpu_level *levels;    /* L entries; h = w = 0: a level no point can land in */
+    int32_t *point_level; /* NP entries: the level of each point of a (b, q, h) */
     int nearest;
-} general_ctx;
+};
 
 /* Where one point reads: up to four corners (nearest: corner 0 alone). */
 typedef struct {
@@ -54,33 +43,23 @@ typedef struct {
     int hit;        /* some corner is read */
 } general_sample;
 
-static void free_ctx(general_ctx *cx) {
-    free(cx->levels);
-    free(cx->point_level);
-}
+static void free_tables(cpu_tables *cx) { free(cx); }
 
-/* Reads the level tables and the point -> level map; MSDA_OK or MSDA_ERR_INTERNAL. */
-static int init_ctx(general_ctx *cx, const msda_problem *pr, const char *fn) {
-    cx->pr = pr;
-    cx->nearest = (pr->flags & MSDA_NEAREST) != 0;
-    cx->levels = (general_level *)malloc((size_t)pr->L * sizeof(general_level));
-    cx->point_level = (int32_t *)malloc((size_t)pr->NP * sizeof(int32_t));
-    if (!cx->levels || !cx->point_level) {
-        free_ctx(cx);
+/* Reads the level tables and the point -> level map, in one allocation with the struct. */
+static int read_tables(const msda_problem *pr, const char *fn, cpu_tables **out) {
+    cpu_tables *cx = (cpu_tables *)malloc(sizeof(cpu_tables) +
+                                          (size_t)pr->L * sizeof(cpu_level) +
+                                          (size_t)pr->NP * sizeof(int32_t));
+    if (!cx)
         return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of the level tables (L = %lld, "
                               "%lld points) failed", fn, (long long)pr->L, (long long)pr->NP);
-    }
+    cx->pr = pr;
+    cx->nearest = (pr->flags & MSDA_NEAREST) != 0;
+    cx->levels = (cpu_level *)(cx + 1);
+    cx->point_level = (int32_t *)(cx->levels + pr->L);
     for (int64_t l = 0; l < pr->L; l++) {
-        general_level *lv = &cx->levels[l];
-        if (pr->index_dtype == MSDA_I64) {
-            const int64_t *ss = (const int64_t *)pr->spatial_shapes;
-            lv->h = ss[2 * l], lv->w = ss[2 * l + 1];
-            lv->start = ((const int64_t *)pr->level_start_index)[l];
-        } else {
-            const int32_t *ss = (const int32_t *)pr->spatial_shapes;
-            lv->h = ss[2 * l], lv->w = ss[2 * l + 1];
-            lv->start = ((const int32_t *)pr->level_start_index)[l];
-        }
+        cpu_level *lv = &cx->levels[l];
+        *lv = cpu_level_at(pr, l);
         /* Sizes whose positions could overflow int64 arithmetic come only from lying tables:
          * such a level reads nothing (any real level has h*w <= S < 2^62). */
         const int64_t limit = (int64_t)1 << 52;
@@ -92,17 +71,18 @@ static int init_ctx(general_ctx *cx, const msda_problem *pr, const char *fn) {
         const int64_t end = pr->uniform_points ? (l + 1) * pr->P : pr->point_start[l + 1];
         for (; i < end; i++) cx->point_level[i] = (int32_t)l;
     }
+    *out = cx;
     return MSDA_OK;
 }
 
 /* The flat position of pixel (x, y) of a level, or -1 when it is outside the level or [0, S). */
-static inline int64_t checked_position(const general_level *lv, int64_t S, int64_t x, int64_t y) {
+static inline int64_t checked_position(const cpu_level *lv, int64_t S, int64_t x, int64_t y) {
     if (x < 0 || y < 0 || x >= lv->w || y >= lv->h) return -1;
     const int64_t pos = lv->start + y * lv->w + x;
     return pos >= 0 && pos < S ? pos : -1;
 }
 
-static void locate_bilinear(general_sample *g, const general_level *lv, int64_t S, double loc_x,
+static void locate_bilinear(general_sample *g, const cpu_level *lv, int64_t S, double loc_x,
                             double loc_y) {
     const double W = (double)lv->w, H = (double)lv->h;
     const double x = loc_x * W - 0.5, y = loc_y * H - 0.5;
@@ -130,7 +110,7 @@ static inline int64_t nearest_index(double v, int64_t size) {
     return (int64_t)v; /* truncation is floor for v >= 0 */
 }
 
-static void locate_nearest(general_sample *g, const general_level *lv, int64_t S, double loc_x,
+static void locate_nearest(general_sample *g, const cpu_level *lv, int64_t S, double loc_x,
                            double loc_y) {
     g->hit = 0;
     g->fx = g->fy = 0.0;
@@ -143,47 +123,23 @@ static void locate_nearest(general_sample *g, const general_level *lv, int64_t S
     g->hit = g->pos[0] >= 0;
 }
 
-static inline void locate(general_sample *g, const general_ctx *cx, int64_t point, double loc_x,
+static inline void locate(general_sample *g, const cpu_tables *cx, int64_t point, double loc_x,
                           double loc_y) {
-    const general_level *lv = &cx->levels[cx->point_level[point]];
+    const cpu_level *lv = &cx->levels[cx->point_level[point]];
     if (cx->nearest)
         locate_nearest(g, lv, cx->pr->S, loc_x, loc_y);
     else
         locate_bilinear(g, lv, cx->pr->S, loc_x, loc_y);
 }
 
-/* Threads for a call with `work` sampling points: the caller's count (<= 0: the OpenMP default),
- * 1 for tiny calls or inside a parallel region, never more than `tasks`. With 1 thread no OpenMP
- * function is called (a forked DataLoader worker must not touch its parent's pool). */
-static int general_threads(const msda_problem *pr, int64_t work, int64_t tasks) {
-#ifdef _OPENMP
-    if (pr->num_threads == 1 || work < 2048 || tasks < 2) return 1;
-    if (omp_in_parallel()) return 1;
-    int n = pr->num_threads > 0 ? pr->num_threads : omp_get_max_threads();
-    if ((int64_t)n > tasks) n = (int)tasks;
-    return n > 1 ? n : 1;
-#else
-    (void)pr, (void)work, (void)tasks;
-    return 1;
-#endif
-}
-
-static inline int general_thread_num(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 /* One task of a call (a forward row, a backward slice) with its thread's scratch. */
-typedef void (*general_task)(const general_ctx *cx, int64_t task, void *scratch);
+typedef void (*general_task)(const cpu_tables *cx, int64_t task, void *scratch);
 
 /* Runs tasks [0, tasks) of a call with `work` sampling points, handed out `chunk` at a time to
  * the threads, each with scratch_bytes of its own scratch (a multiple of the element size). */
-static int run_tasks(const general_ctx *cx, const char *fn, general_task task, int64_t tasks,
+static int run_tasks(const cpu_tables *cx, const char *fn, general_task task, int64_t tasks,
                      int64_t work, int64_t scratch_bytes, int chunk) {
-    const int threads = general_threads(cx->pr, work, tasks);
+    const int threads = cpu_threads(cx->pr, work, tasks);
     char *scratch = (char *)malloc((size_t)threads * (size_t)scratch_bytes);
     if (!scratch)
         return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of %d x %lld scratch bytes "
@@ -193,7 +149,7 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
     } else {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
         for (int64_t t = 0; t < tasks; t++)
-            task(cx, t, scratch + (int64_t)general_thread_num() * scratch_bytes);
+            task(cx, t, scratch + (int64_t)cpu_thread_num() * scratch_bytes);
     }
     free(scratch);
     return MSDA_OK;
@@ -202,25 +158,25 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
 // ---------------------------------------------------------------------------------------------
 // kernels, once per element type (SCALAR storage, ACC accumulation)
 
-#define GENERAL_SUFFIX f32
+#define SUFFIX f32
 #define SCALAR float
 #define ACC float
 #define HALF_STORAGE 0
 #include "cpu_general.inc"
 
-#define GENERAL_SUFFIX f64
+#define SUFFIX f64
 #define SCALAR double
 #define ACC double
 #define HALF_STORAGE 0
 #include "cpu_general.inc"
 
-#define GENERAL_SUFFIX f16
+#define SUFFIX f16
 #define SCALAR uint16_t
 #define ACC float
 #define HALF_STORAGE 1
 #include "cpu_general.inc"
 
-#define GENERAL_SUFFIX bf16
+#define SUFFIX bf16
 #define SCALAR uint16_t
 #define ACC float
 #define HALF_STORAGE 1
@@ -229,29 +185,15 @@ static int run_tasks(const general_ctx *cx, const char *fn, general_task task, i
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-typedef int (*general_kernel)(const general_ctx *cx);
-
-/* Runs the kernel of the problem's dtype from `kernels` (indexed by msda_dtype). */
-static int run_kernel(const msda_problem *pr, const char *fn, const general_kernel *kernels) {
-    if (pr->dtype < MSDA_F32 || pr->dtype > MSDA_BF16)
-        return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
-    general_ctx cx;
-    int st = init_ctx(&cx, pr, fn);
-    if (st != MSDA_OK) return st;
-    st = kernels[pr->dtype](&cx);
-    free_ctx(&cx);
-    return st;
-}
-
 int msda_cpu_forward_general(const msda_problem *pr) {
-    static const general_kernel kernels[] = {
+    static const cpu_kernel kernels[4] = {
         [MSDA_F32] = general_forward_f32, [MSDA_F64] = general_forward_f64,
         [MSDA_F16] = general_forward_f16, [MSDA_BF16] = general_forward_bf16};
     return run_kernel(pr, "msda_forward", kernels);
 }
 
 int msda_cpu_backward_general(const msda_problem *pr) {
-    static const general_kernel kernels[] = {
+    static const cpu_kernel kernels[4] = {
         [MSDA_F32] = general_backward_f32, [MSDA_F64] = general_backward_f64,
         [MSDA_F16] = general_backward_f16, [MSDA_BF16] = general_backward_bf16};
     if (!pr->grad_value && !pr->grad_sampling_locations && !pr->grad_attention_weights)

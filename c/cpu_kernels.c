@@ -1,11 +1,11 @@
 /* c/cpu_kernels.c: MSDA forward and backward on the CPU (math: c/msda.h), threaded with OpenMP;
  * the per-dtype kernels are cpu_kernels.inc, included once per element type. A "row" is the C
  * channels of value[b, s, h, :].
- * Geometry (GEOMETRY): a (b, q, h)'s points are located 16 at a time in one vectorised loop, in
- *   double, where x, the cell, the fraction and the corner offsets are exact (fx rounded once);
- *   each point's level from a per-call table. A corner outside its level or [0, S) reads a zero
- *   row with weight 0.
- * Query order (QUERY_ORDER): a decoder's queries (Q != S, Q <= 4096) are walked in Z-order of
+ * Geometry (cpu_geometry.inc): a (b, q, h)'s points are located 16 at a time in one vectorised
+ *   loop, in double, where x, the cell, the fraction and the corner offsets are exact (fx
+ *   rounded once); each point's level from a per-call table. A corner outside its level or
+ *   [0, S) reads a zero row with weight 0.
+ * Query order (query_order): a decoder's queries (Q != S, Q <= 4096) are walked in Z-order of
  *   where they sample (a stable radix sort), so neighbouring queries share lines and pages; the
  *   out-of-order rows are prefetched two queries ahead. The order depends on the inputs only.
  * Forward: tasks of (b, q) rows, all heads of a query together; a group's 4 x 16 corner rows
@@ -14,7 +14,7 @@
  *   heads: no two threads write one element, no atomics. Whole batches a task where they divide
  *   evenly (each task zeroes its own block), else blocks of heads after a shared zeroing; with
  *   fewer (b, h) slices than 4 a thread, point-gradient tasks and grad_value tasks apart.
- *   Per point (POINT_BWD): the four dot products with 32-byte vector lanes, reduced by a fixed
+ *   Per point (point_bwd): the four dot products with 32-byte vector lanes, reduced by a fixed
  *   tree; grad_value rows updated in place; rows prefetched ahead.
  * Numerics: f32 accumulation for f32/f16/bf16 (half values converted as loaded), f64 for f64.
  *   With MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write their
@@ -22,7 +22,7 @@
  *   Results do not depend on the thread count or the split: each grad_value row gets its terms
  *   in query order, the point gradients come from one compiled loop; only FMA contraction
  *   (x86-64-v3/v4 clones against the baseline) changes the last bits between machines.
- * Vector width: FORWARD_ROWS and BACKWARD_TASK are built for x86-64-v4, x86-64-v3 and the
+ * Vector width: forward_rows and backward_task are built for x86-64-v4, x86-64-v3 and the
  *   baseline (target_clones, chosen at load); no -march=native.
  * Threads: the caller's count (torch.get_num_threads()), tasks from an atomic counter. libgomp
  *   resolves to torch's copy, so both share one OpenMP pool; one thread calls no OpenMP at all
@@ -41,12 +41,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "half.h"
-#include "msda_internal.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "cpu_common.h"
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -56,8 +51,8 @@
  * The v4 clone keeps the backward's 32-byte vectors (GCC's generic tuning prefers 256-bit ones)
  * but has 32 vector registers (no spills around the channel loops), mask compares and 8-lane
  * double geometry: fewer instructions a point, the same operations and results as the v3 clone
- * (kernels/TUNING.md, CPU v12). Elsewhere (aarch64, compilers without target_clones) the attribute is empty and
- * the baseline build is used. */
+ * (kernels/TUNING.md, CPU v12). Elsewhere (aarch64, compilers without target_clones) the
+ * attribute is empty and the baseline build is used. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
     !defined(MSDA_NO_CLONES)
 #define MSDA_CLONES \
@@ -66,20 +61,21 @@
 #define MSDA_CLONES
 #endif
 
-/* The level of every point (l, p) of a (b, q, h), read from the caller's int32/int64 shape
- * tensors: its W, H and start offset as doubles (the sampling geometry's type), one entry per
- * point so the geometry loop loads them as vectors. One allocation of 3 * L * P doubles, or, past
- * LEVEL_TABLE_MAX_POINTS points, of 3 * L (one entry per level, looked up point by point). */
+/* The per-call tables (c/cpu_common.h): the level of every point (l, p) of a (b, q, h), read
+ * from the caller's int32/int64 shape tensors: its W, H and start offset as doubles (the
+ * sampling geometry's type), one entry per point so the geometry loop loads them as vectors.
+ * One allocation of 3 * L * P doubles, or, past LEVEL_TABLE_MAX_POINTS points, of 3 * L (one
+ * entry per level, looked up point by point). */
 #ifndef LEVEL_TABLE_MAX_POINTS
 #define LEVEL_TABLE_MAX_POINTS ((int64_t)1 << 16)
 #endif
-typedef struct {
+struct cpu_tables {
     int per_point; /* 1: entry p for point p of L * P; 0: entry l for level l */
     int64_t P;
     double *w, *h, *start;
-} level_table;
+};
 
-static int read_levels(const msda_problem *pr, const char *fn, level_table **out) {
+static int read_tables(const msda_problem *pr, const char *fn, cpu_tables **out) {
     const int64_t LP = pr->L * pr->P;
     const int per_point = LP <= LEVEL_TABLE_MAX_POINTS;
     const int64_t entries = per_point ? LP : pr->L, copies = per_point ? pr->P : 1;
@@ -89,8 +85,8 @@ static int read_levels(const msda_problem *pr, const char *fn, level_table **out
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: value has %lld elements, more "
                               "than the CPU kernels support (2^50)", fn,
                               (long long)(pr->B * pr->S * pr->H * pr->C));
-    level_table *t =
-        (level_table *)malloc(sizeof(level_table) + 3 * (size_t)entries * sizeof(double));
+    cpu_tables *t =
+        (cpu_tables *)malloc(sizeof(cpu_tables) + 3 * (size_t)entries * sizeof(double));
     if (!t)
         return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of %lld level entries failed",
                               fn, (long long)entries);
@@ -100,72 +96,30 @@ static int read_levels(const msda_problem *pr, const char *fn, level_table **out
     t->h = t->w + entries;
     t->start = t->h + entries;
     for (int64_t l = 0; l < pr->L; l++) {
-        int64_t h, w, start;
-        if (pr->index_dtype == MSDA_I64) {
-            const int64_t *ss = (const int64_t *)pr->spatial_shapes;
-            h = ss[2 * l];
-            w = ss[2 * l + 1];
-            start = ((const int64_t *)pr->level_start_index)[l];
-        } else {
-            const int32_t *ss = (const int32_t *)pr->spatial_shapes;
-            h = ss[2 * l];
-            w = ss[2 * l + 1];
-            start = ((const int32_t *)pr->level_start_index)[l];
-        }
+        cpu_level lv = cpu_level_at(pr, l);
         /* A level no point can land in (empty, or too large for exact double geometry). */
-        if (h <= 0 || w <= 0 || h > ((int64_t)1 << 40) || w > ((int64_t)1 << 40)) h = w = 0;
+        if (lv.h <= 0 || lv.w <= 0 || lv.h > ((int64_t)1 << 40) || lv.w > ((int64_t)1 << 40))
+            lv.h = lv.w = 0;
         for (int64_t p = l * copies; p < (l + 1) * copies; p++) {
-            t->w[p] = (double)w;
-            t->h[p] = (double)h;
-            t->start[p] = (double)start;
+            t->w[p] = (double)lv.w;
+            t->h[p] = (double)lv.h;
+            t->start[p] = (double)lv.start;
         }
     }
     *out = t;
     return MSDA_OK;
 }
 
-/* Threads for a call with `work` sampling points: the caller's count (torch.get_num_threads()),
- * the OpenMP default when it passed <= 0, and 1 for tiny calls (a team costs more than it saves)
- * or when called from inside an OpenMP parallel region (a nested team would oversubscribe).
- * With 1 thread no OpenMP function is called at all, which keeps a forked DataLoader worker
- * (torch sets 1 thread there) clear of the parent's thread pool, which fork does not copy. */
-static int thread_count(const msda_problem *pr, int64_t work) {
-#ifdef _OPENMP
-    if (pr->num_threads == 1 || work < 2048) return 1;
-    if (omp_in_parallel()) return 1;
-    const int n = pr->num_threads > 0 ? pr->num_threads : omp_get_max_threads();
-    return n > 1 ? n : 1;
-#else
-    (void)pr, (void)work;
-    return 1;
-#endif
-}
-
-static inline int msda_thread_num(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static inline int msda_num_threads(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
+static void free_tables(cpu_tables *t) { free(t); }
 
 /* Asks Linux to back grad_value, which the kernel is about to write in full and then scatters
  * into at random, with transparent huge pages: fewer TLB misses in the scatter. Python hands
  * out CPU gradients from a pool of reused buffers (pymsda/_buffers.py), so the pages are faulted
- * in once, not on every call, and the advice pays from 4 MB: 1 thread, pooled, dec300 (11 MB)
- * C backward median 3.48-3.58 -> 2.76-2.90 ms, ddetr_dec (40 MB) 5.2-5.3 -> 4.7-5.1 ms
- * (kernels/TUNING.md, CPU v14). Unpooled buffers, which glibc maps afresh or regrows its heap
- * for, pay 5-10 ms more per regrowth with huge pages on this VM (v13); the pool is the remedy.
- * Only whole 2 MB pages inside the buffer are advised, so no other memory is affected; failure is
- * harmless. MSDA_HUGE_MIN_BYTES (-D) moves the threshold for experiments. */
+ * in once, not on every call, and the advice pays from 4 MB (kernels/TUNING.md, CPU "v14 huge
+ * pages"). Unpooled buffers, which glibc maps afresh or regrows its heap for, pay more per
+ * regrowth with huge pages (CPU v13); the pool is the remedy. Only whole 2 MB pages inside the
+ * buffer are advised, so no other memory is affected; failure is harmless.
+ * MSDA_HUGE_MIN_BYTES (-D) moves the threshold for experiments. */
 #ifndef MSDA_HUGE_MIN_BYTES
 #define MSDA_HUGE_MIN_BYTES ((int64_t)4 << 20)
 #endif
@@ -183,8 +137,8 @@ static void advise_huge_pages(void *ptr, int64_t bytes) {
 
 /* Prefetches the cache lines of a row about to be read / written (the first 256 bytes: wider
  * rows are streams the hardware prefetcher follows). Locality 1 (prefetcht2 / prefetchw on x86):
- * into the outer caches, which measured 10-30% faster on the decoder shapes than into L1
- * (locality 3) and much faster than non-temporal (0). */
+ * into the outer caches, faster on the decoder shapes than into L1 (locality 3) or
+ * non-temporal (0): kernels/TUNING.md, CPU v4. */
 static inline void msda_prefetch_read(const void *row, int64_t bytes) {
     const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63;
     const uintptr_t end = (uintptr_t)row + (uintptr_t)(bytes < 256 ? bytes : 256);
@@ -217,7 +171,7 @@ static void split_range(int64_t n, int part, int parts, int64_t *begin, int64_t 
 /* Element loads and stores (load_f32 ... store_bf16): c/half.h. */
 
 /* 32-byte vectors (GCC / clang vector extensions) for the backward's channel loops: VL lanes of
- * the accumulation type; LOADV converts VL stored elements; VSPLAT broadcasts a scalar, as
+ * the accumulation type; FN(loadv) converts VL stored elements; VSPLAT broadcasts a scalar, as
  * x - 0 (exact, so GCC drops the subtraction; 0 + x, which is not exact for x = -0, cost an
  * add per broadcast). A target without 256-bit registers splits each operation in two, with
  * the same results. */
@@ -283,7 +237,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 
 /* Points located together (lane-wise) before their channel loops run. */
 #define GROUP 16
-/* Most queries (per batch) that QUERY_ORDER sorts (a decoder has 100-900; its keys hold q in 16
+/* Most queries (per batch) that query_order sorts (a decoder has 100-900; its keys hold q in 16
  * bits, and the sort is a scratch of Q entries). */
 #define ORDER_MAX_QUERIES 4096
 /* value tensors above this size get the rows the backward gathers prefetched */
@@ -336,26 +290,16 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-typedef int (*cpu_kernel)(const msda_problem *pr, const level_table *lvs);
-
-/* The kernel of pr's dtype (kernels[] in msda_dtype order) on the level table, read once. */
-static int run_kernel(const msda_problem *pr, const char *fn, const cpu_kernel kernels[4]) {
-    if (pr->dtype < 0 || pr->dtype > MSDA_BF16)
-        return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
-    level_table *lv = NULL;
-    int st = read_levels(pr, fn, &lv);
-    if (st != MSDA_OK) return st;
-    st = kernels[pr->dtype](pr, lv);
-    free(lv);
-    return st;
-}
-
 int msda_cpu_forward(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {forward_f32, forward_f64, forward_f16, forward_bf16};
+    static const cpu_kernel kernels[4] = {
+        [MSDA_F32] = forward_f32, [MSDA_F64] = forward_f64,
+        [MSDA_F16] = forward_f16, [MSDA_BF16] = forward_bf16};
     return run_kernel(pr, "msda_forward", kernels);
 }
 
 int msda_cpu_backward(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {backward_f32, backward_f64, backward_f16, backward_bf16};
+    static const cpu_kernel kernels[4] = {
+        [MSDA_F32] = backward_f32, [MSDA_F64] = backward_f64,
+        [MSDA_F16] = backward_f16, [MSDA_BF16] = backward_bf16};
     return run_kernel(pr, "msda_backward", kernels);
 }

@@ -330,6 +330,18 @@ int msda_backward(const msda_args *args) {
     return msda_needs_general(&pr) ? msda_cpu_backward_general(&pr) : msda_cpu_backward(&pr);
 }
 
+int msda_forward_route(const msda_args *args, int aligned16) {
+    static const char fn[] = "msda_forward_route";
+    last_error[0] = '\0';
+    msda_problem pr;
+    if (read_args(fn, args, 0, &pr) != MSDA_OK) return -1;
+    pr.device = -1; /* the choice asks no device */
+    if (check_problem(fn, &pr, args->level_points) != MSDA_OK) return -1;
+    msda_forward_plan plan;
+    msda_plan_forward(&pr, aligned16 != 0, &plan);
+    return plan.kernel;
+}
+
 int msda_backward_route(const msda_args *args, int grads, int aligned16, int multiprocessors,
                         int sm90_code) {
     static const char fn[] = "msda_backward_route";

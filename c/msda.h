@@ -132,8 +132,9 @@ MSDA_API const char *msda_status_string(int status);
 MSDA_API const char *msda_last_error(void);
 
 /* ---- the arguments of a call ------------------------------------------------------------------
- * msda_forward (F), msda_backward (B), msda_backward_workspace_size (W) and msda_backward_route
- * (R) each take one msda_args; each field says here, once, which of them read it. A call ignores
+ * msda_forward (F), msda_backward (B), msda_backward_workspace_size (W) and the two route
+ * queries msda_forward_route and msda_backward_route (R) each take one msda_args; each field says
+ * here, once, which of them read it. A call ignores
  * the fields it does not read, so a caller may zero the struct and set only those.
  * Tensors: contiguous row-major memory of element type `dtype` unless said otherwise; host
  * memory on the CPU, device memory on CUDA (spatial_shapes and level_start_index included). A
@@ -153,7 +154,8 @@ typedef struct {
     int32_t dtype;
     int32_t index_dtype; /* F B: msda_index_dtype of spatial_shapes and level_start_index */
     /* F B W R: -1 runs on the CPU; >= 0 on that CUDA device (the library selects it for the
-     * launch and restores the caller's). R reads it only when it is not told the device. */
+     * launch and restores the caller's). msda_backward_route reads it only when it is not told
+     * the device; msda_forward_route never (its choice depends on no device). */
     int32_t device;
     int32_t num_threads; /* F B, on the CPU: OpenMP threads, <= 0 the OpenMP default, <= 1024 */
     int32_t flags;       /* F B W R: a bitwise OR of msda_flags, 0 for the plain op */
@@ -185,7 +187,7 @@ typedef struct {
 } msda_args;
 
 /* ---- compute ------------------------------------------------------------------------------
- * A NULL args is refused (MSDA_ERR_INVALID_ARGUMENT; -1 from the two queries). */
+ * A NULL args is refused (MSDA_ERR_INVALID_ARGUMENT; -1 from the queries). */
 
 /* Writes output. */
 MSDA_API int msda_forward(const msda_args *args);
@@ -197,6 +199,25 @@ MSDA_API int msda_backward(const msda_args *args);
  * grad_value is accumulated in f32 there, see above); -1 (with msda_last_error set) for
  * sizes msda_backward would refuse. */
 MSDA_API int64_t msda_backward_workspace_size(const msda_args *args);
+
+/* ---- which CUDA forward kernel serves a problem --------------------------------------------
+ * The CUDA forward chooses one kernel per call (c/routes.c) and launches it; this query says
+ * which. The choice depends on the sizes, dtype, per-level points, flags and alignment alone,
+ * so any build can be asked. */
+typedef enum {
+    MSDA_FWD_ROUTE_NONE = 0,    /* B*Q = 0: nothing to write                                    */
+    MSDA_FWD_ROUTE_GENERIC = 1, /* one warp per (b,q,h), 64-bit offsets: f64, C not 4 * 2^k up
+                                   to 128, over 2^31 elements, misaligned tensors               */
+    MSDA_FWD_ROUTE_FAST = 2,    /* geometry staged in shared memory, C / 4 threads an item, 4
+                                   channels a thread                                            */
+    MSDA_FWD_ROUTE_WIDE = 3,    /* the fast kernel with 8 channels a thread (one 16-byte load a
+                                   corner): f16 / bf16, C >= 8, B*Q*H >= 65536 (encoders)        */
+} msda_fwd_route;
+
+/* The route msda_forward takes on CUDA for these sizes, dtype, per-level points and flags.
+ * aligned16: 1 when value and output are 16-byte aligned (torch's allocations are). Returns the
+ * route (>= 0), or -1 with msda_last_error set for arguments msda_forward would refuse. */
+MSDA_API int msda_forward_route(const msda_args *args, int aligned16);
 
 /* ---- which CUDA backward kernel serves a problem -------------------------------------------
  * The CUDA backward chooses one route per call (c/routes.c) and launches it; this query says

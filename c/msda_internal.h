@@ -99,18 +99,47 @@ MSDA_HOST_DEVICE void msda_derive_level_starts(int64_t L, int64_t S, int index_d
 }
 #undef MSDA_HOST_DEVICE
 
-/* ---- the CUDA backward's route (c/routes.c; the launcher in kernels/ switches on it) ---------
- * Constants the host plans with and the kernels are built with: the fast kernels' level table
- * size, the blocks of the per-point kernel a multiprocessor holds (its launch bound), the most
- * slices an item's points are split into. */
+/* Blocks of a grid whose blocks take `per_block` consecutive items each: at least 1, at most
+ * `max_blocks` (a grid-stride loop takes the rest). The one block count of every launch. The
+ * fast kernels' blocks each take a run of consecutive items, so the blocks resident at any
+ * moment cover a compact window of neighbouring queries (L2 reuse; a persistent grid whose
+ * blocks each walk a long run lost: kernels/TUNING.md, forward v3). */
+static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block,
+                                            int64_t max_blocks) {
+    int64_t blocks = (items + per_block - 1) / per_block;
+    if (blocks > max_blocks) blocks = max_blocks;
+    return (unsigned int)(blocks < 1 ? 1 : blocks);
+}
+/* The most blocks a grid's x dimension takes. */
+#define MSDA_MAX_GRID_BLOCKS 0x7fffffff
+
+/* ---- the CUDA routes (c/routes.c; the launchers in kernels/ switch on them) ----------------
+ * Constants the host plans with and the kernels are built with. */
+/* the fast kernels' level table (in shared memory) */
 #define MSDA_FAST_MAX_LEVELS 16
+/* Forward: threads a block of the wide kernels (8 channels a thread), the fastest of 64, 128 and
+ * 256 (kernels/TUNING.md, forward v20; the 4-channel kernels take 256), and the items from which
+ * half types take them: encoders gain, a decoder's few thousand items would fill too few
+ * threads (forward v8, v10). */
+#define MSDA_FWD_WIDE_THREADS 128
+#define MSDA_FWD_WIDE_MIN_ITEMS 65536
+/* Backward: the per-point kernel's blocks a multiprocessor holds (its launch bound), the most
+ * slices an item's points are split into. */
 #define MSDA_BWD_RESIDENT_BLOCKS 5
 #define MSDA_BWD_MAX_SLICES 8
+
+typedef struct {
+    int kernel;  /* MSDA_FWD_ROUTE_NONE .. MSDA_FWD_ROUTE_WIDE (c/msda.h) */
+    int group;   /* fast kernels: threads an item (C / 4, C / 8 in the wide form); 0 generic */
+    int options; /* fast kernels: compiled with the option code (msda_needs_general) */
+    unsigned int blocks; /* gridDim.x */
+} msda_forward_plan;
 
 typedef struct {
     int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_AGGREGATED (c/msda.h) */
     int modifiers;  /* MSDA_ROUTE_DETERMINISTIC | MSDA_ROUTE_F32_WORKSPACE */
     int group;      /* fast kernels: G = C / 4 threads an item (0 for the generic kernel) */
+    int options;    /* fast kernels: compiled with the option code (msda_needs_general) */
     int slices;     /* gridDim.y: slices of each item's points */
     unsigned int blocks; /* gridDim.x */
 } msda_backward_plan;
@@ -122,6 +151,8 @@ int msda_fast_group(const msda_problem *pr);
 /* Whether a half-precision grad_value is summed in an f32 buffer in the workspace: code older
  * than sm_90 (no half-precision vector reductions), no MSDA_DETERMINISTIC, grad_value wanted. */
 int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code);
+/* The route of a checked forward problem. aligned16: value and output are 16-byte aligned. */
+void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan);
 /* The route of a checked backward problem. aligned16: value, grad_output and the grad_value
  * the kernels write (the workspace with MSDA_ROUTE_F32_WORKSPACE) are 16-byte aligned;
  * multiprocessors and sm90_code: facts of the device (its multiprocessor count, 0 if unknown;

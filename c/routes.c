@@ -1,7 +1,8 @@
-/* c/routes.c: which kernel serves a CUDA backward (the routes of c/msda.h), chosen here and only
- * here. Plain C, in every build: the CUDA launcher (kernels/backward.cuh) switches on the
- * plan, msda_backward_route reports it, and a CPU-only build can still be asked what a GPU would
- * run. The numbers behind each rule are in kernels/TUNING.md. */
+/* c/routes.c: which kernel serves a CUDA forward or backward (the routes of c/msda.h), chosen
+ * here and only here. Plain C, in every build: the CUDA launchers (kernels/forward.cu,
+ * kernels/backward.cuh) switch on the plan, msda_forward_route and msda_backward_route report
+ * it, and a CPU-only build can still be asked what a GPU would run. The numbers behind each rule
+ * are in kernels/TUNING.md. */
 #include "msda_internal.h"
 
 static int is_half(int dtype) { return dtype == MSDA_F16 || dtype == MSDA_BF16; }
@@ -19,19 +20,33 @@ int msda_fast_group(const msda_problem *pr) {
     return (int)G;
 }
 
+void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan) {
+    const int64_t items = pr->B * pr->Q * pr->H;
+    const int G = aligned16 ? msda_fast_group(pr) : 0;
+    /* half types in encoders: 8 channels a thread, half the threads an item */
+    const int wide = is_half(pr->dtype) && G >= 2 && items >= MSDA_FWD_WIDE_MIN_ITEMS;
+    plan->options = msda_needs_general(pr);
+    plan->group = wide ? G / 2 : G;
+    if (pr->B * pr->Q == 0) {
+        plan->kernel = MSDA_FWD_ROUTE_NONE;
+        plan->group = 0;
+        plan->blocks = 1;
+    } else if (G == 0) { /* one warp an item, 8 a block */
+        plan->kernel = MSDA_FWD_ROUTE_GENERIC;
+        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
+    } else {
+        plan->kernel = wide ? MSDA_FWD_ROUTE_WIDE : MSDA_FWD_ROUTE_FAST;
+        const int threads = wide ? MSDA_FWD_WIDE_THREADS : 256;
+        plan->blocks = msda_grid_blocks(items, threads / plan->group, MSDA_MAX_GRID_BLOCKS);
+    }
+}
+
 /* A half grad_value is summed in an f32 buffer only by code older than sm_90 (no half vector
  * atomics). Calls with float32 points (MSDA_POINTS_F32: autocast's inputs) sum it as the
  * all-half call does on the same code: the points are read as float32 whatever the route. */
 int msda_backward_f32_workspace(const msda_problem *pr, int sm90_code) {
     return is_half(pr->dtype) && pr->grad_value && !(pr->flags & MSDA_DETERMINISTIC) &&
            !sm90_code;
-}
-
-/* One block per `per_block` consecutive items (capped at 2^31 - 1 blocks; the kernels stride). */
-static unsigned int item_blocks(int64_t items, int64_t per_block) {
-    int64_t blocks = (items + per_block - 1) / per_block;
-    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
 }
 
 /* Slices of each item's points: a grid too small to fill the GPU twice over (decoders of a few
@@ -55,6 +70,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     plan->modifiers = (det ? MSDA_ROUTE_DETERMINISTIC : 0) |
                       (msda_backward_f32_workspace(pr, sm90_code) ? MSDA_ROUTE_F32_WORKSPACE : 0);
     plan->group = 0;
+    plan->options = msda_needs_general(pr);
     plan->slices = 1;
     plan->blocks = 1;
     if (pr->B * pr->Q == 0) {
@@ -64,31 +80,33 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     const int G = aligned16 ? msda_fast_group(pr) : 0;
     if (G == 0) {
         plan->kernel = MSDA_ROUTE_GENERIC;
-        plan->blocks = item_blocks(items, 8); /* 8 warps a block, one warp an item */
+        /* 8 warps a block, one warp an item */
+        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
         return;
     }
-    const int opt = msda_needs_general(pr);
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
-     * value rows; decoders (a few hundred scattered queries) measured slower there */
+     * value rows; decoders (a few hundred scattered queries) are slower there (kernels/TUNING.md,
+     * backward v53) */
     const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
-    plan->blocks = item_blocks(items, 256 / G);
+    plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
-        plan->blocks = item_blocks(items, 512 / G); /* two items a group of G threads */
+        /* two items a group of G threads */
+        plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!det && !opt && plan->slices > 1 && pr->dtype != MSDA_F16) {
-        /* sliced points scattered after the zeroing: H100 ddetr_dec f32 / bf16 backward 0.0422
-         * / 0.0291 ms against 0.0435 / 0.0297 for the per-point kernel with sliced points; f16
-         * lost (0.0290 against 0.0287) and takes that kernel */
+    } else if (!det && !plan->options && plan->slices > 1 && pr->dtype != MSDA_F16) {
+        /* sliced points scattered after the zeroing: faster than the per-point kernel with
+         * sliced points in f32 and bf16; f16 is not and takes that kernel (kernels/TUNING.md,
+         * "Re-measured in the redesign": POINT_SLICED) */
         plan->kernel = MSDA_ROUTE_POINT_SLICED;
-    } else if (!det && !opt && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
+    } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
         /* 2 channels a thread: twice the threads of the 4-channel form */
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
-        plan->blocks = item_blocks(items, 256 / (2 * G));
+        plan->blocks = msda_grid_blocks(items, 256 / (2 * G), MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!det && !opt && !aggregates && pr->dtype == MSDA_BF16) {
+    } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_BF16) {
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
     } else {
         plan->kernel = MSDA_ROUTE_POINT;

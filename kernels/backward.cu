@@ -3,12 +3,8 @@
 #include "backward.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// kernels of the launch itself
+// kernels of the launch itself (zero_kernel: declared, with what it does, in backward_aux.cuh)
 
-/* grad_value = 0, 16 bytes a store, by a grid resident at once whose blocks let the dependent
- * kernel launch at their start. MSDA_ZERO_THREADS threads a block, one block a multiprocessor:
- * small enough to sit beside the 5 blocks of the aggregated kernel (their registers leave
- * 4096 free), so that kernel runs at full occupancy while the zeroing goes on. */
 __global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int64_t n16) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
@@ -26,9 +22,8 @@ __global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int6
 __global__ void code_probe() {}
 
 // ---------------------------------------------------------------------------------------------
-// host helpers
+// host helpers (declared, with what they do, in kernels/backward.cuh)
 
-/* Multiprocessors of a device, asked once; 0 where the question fails. */
 int sm_count(int device) {
     static int known[64];
     if (device < 0 || device >= 64) return 0;
@@ -43,11 +38,6 @@ int sm_count(int device) {
     return known[device];
 }
 
-/* Whether the kernels that run on `device` are code for sm_90 or newer (half-precision vector
- * reductions, programmatic dependent launch). The code a device runs is the build's machine
- * code for its architecture or, failing that, PTX of an older one compiled for it: the kernels'
- * PTX version says which, so a build without sm_90 code run on an H100 takes the older paths.
- * Asked once per device; false where the question fails. */
 bool sm90_code(int device) {
     static signed char known[64]; /* 0 unknown, 1 no, 2 yes */
     if (device < 0 || device >= 64) return false;
@@ -64,7 +54,6 @@ bool sm90_code(int device) {
     return known[device] == 2;
 }
 
-/* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
 msda_backward_plan plan_of(const msda_problem *pr) {
     const bool sm90 = sm90_code(pr->device);
     /* with MSDA_ROUTE_F32_WORKSPACE the kernels write the workspace instead of grad_value */
@@ -75,18 +64,11 @@ msda_backward_plan plan_of(const msda_problem *pr) {
     return plan;
 }
 
-/* The first `bytes` of grad_value = 0 on the stream (nothing to do for 0 bytes or without
- * grad_value). In the launchers below `bytes` is what is still to be zeroed: 0 when the caller
- * zeroed it already or needs no zeroing. */
 cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_t stream) {
     if (bytes <= 0 || !pr->grad_value) return cudaSuccess;
     return cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
 }
 
-/* grad_value (`bytes` of it) = 0 before `kernel`, then `kernel`: with sm_90 code, 16-byte
- * multiples and alignment, by zero_kernel and a programmatic dependent launch of `kernel`
- * (which must call grid_dep_wait before its first scatter); otherwise by memset_grad_value
- * first. */
 cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
                              const msda_problem *pr, cudaStream_t stream) {
     bool pdl = false;

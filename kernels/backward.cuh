@@ -14,7 +14,11 @@
 
 /* Multiprocessors of a device, asked once; 0 where the question fails. */
 int sm_count(int device);
-/* Whether the kernels that run on `device` are code for sm_90 or newer (see backward.cu). */
+/* Whether the kernels that run on `device` are code for sm_90 or newer (half-precision vector
+ * reductions, programmatic dependent launch). The code a device runs is the build's machine
+ * code for its architecture or, failing that, PTX of an older one compiled for it: the kernels'
+ * PTX version says which, so a build without sm_90 code run on an H100 takes the older paths.
+ * Asked once per device; false where the question fails. */
 bool sm90_code(int device);
 /* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
 msda_backward_plan plan_of(const msda_problem *pr);
@@ -35,32 +39,26 @@ cudaError_t msda_backward_launch_f64(const msda_problem *pr, cudaStream_t stream
 cudaError_t msda_backward_launch_f16(const msda_problem *pr, cudaStream_t stream);
 cudaError_t msda_backward_launch_bf16(const msda_problem *pr, cudaStream_t stream);
 
-static inline unsigned int flat_blocks(int64_t n) {
-    int64_t blocks = (n + 255) / 256;
-    if (blocks > 65536) blocks = 65536;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
-}
-
-
-static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+/* Most blocks of the grid-stride kernels of kernels/backward_aux.cuh (256 threads a block). */
+static constexpr int64_t kAuxMaxBlocks = 65536;
 
 // ---------------------------------------------------------------------------------------------
 // launch: the route's kernels, templated on the dtype
 
-/* The aggregated kernel for points stored as P (kernels/common.cuh: PointTensor): with every
- * gradient wanted (FULL), with options (OPT) or else. */
+/* The aggregated kernel for points stored as P (kernels/common.cuh: PointTensor): with the
+ * option code, with every gradient wanted, or plain. */
 template <typename T, typename P, int G, bool DET>
-static cudaError_t launch_aggregated(const msda_problem *pr, dim3 grid, cudaStream_t stream,
-                                     int64_t bytes) {
-    if (msda_needs_general(pr))
-        return zero_then_launch(msda_backward_agg<T, G, true, DET, false, P>, grid, bytes, pr,
-                                stream);
+static cudaError_t launch_aggregated(const msda_problem *pr, const msda_backward_plan &plan,
+                                     dim3 grid, cudaStream_t stream, int64_t bytes) {
+    if (plan.options)
+        return zero_then_launch(msda_backward_agg<T, G, AggregatedWithOptions<DET, P>>, grid,
+                                bytes, pr, stream);
     if constexpr (!DET) {
         if (pr->grad_value && pr->grad_sampling_locations && pr->grad_attention_weights)
-            return zero_then_launch(msda_backward_agg<T, G, false, false, true, P>, grid, bytes,
-                                    pr, stream);
+            return zero_then_launch(msda_backward_agg<T, G, AggregatedAllGradients<P>>, grid,
+                                    bytes, pr, stream);
     }
-    return zero_then_launch(msda_backward_agg<T, G, false, DET, false, P>, grid, bytes, pr,
+    return zero_then_launch(msda_backward_agg<T, G, Aggregated<DET, P>>, grid, bytes, pr,
                             stream);
 }
 
@@ -70,40 +68,40 @@ template <typename T, int G, bool DET>
 static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan &plan,
                                cudaStream_t stream, int64_t bytes) {
     const dim3 grid(plan.blocks, plan.slices);
-    const bool opt = msda_needs_general(pr);
     switch (plan.kernel) {
     case MSDA_ROUTE_AGGREGATED:
         if constexpr (G >= 4) {
             if constexpr (IsHalf<T>::value)
                 if (pr->flags & MSDA_POINTS_F32)
-                    return launch_aggregated<T, float, G, DET>(pr, grid, stream, bytes);
-            return launch_aggregated<T, T, G, DET>(pr, grid, stream, bytes);
+                    return launch_aggregated<T, float, G, DET>(pr, plan, grid, stream, bytes);
+            return launch_aggregated<T, T, G, DET>(pr, plan, grid, stream, bytes);
         }
         break;
-    case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing (SPLIT) */
+    case MSDA_ROUTE_POINT_SLICED: /* loads overlap the zeroing */
         if constexpr (!DET)
-            return zero_then_launch(msda_backward_fast<T, G, false, false, true>, grid, bytes,
-                                    pr, stream);
+            return zero_then_launch(msda_backward_fast<T, G, PerPointSliced>, grid, bytes, pr,
+                                    stream);
         break;
     case MSDA_ROUTE_POINT_PIPELINED:
         if constexpr (!DET && std::is_same<T, float>::value && G <= 16) {
             /* f32: 2 channels a thread (G = 2 * C / 4 threads an item) */
             const cudaError_t e = memset_grad_value(pr, bytes, stream);
             if (e != cudaSuccess) return e;
-            msda_backward_fast<T, 2 * G, false, false, false, 2, true><<<grid, 256, 0, stream>>>(*pr);
+            msda_backward_fast<T, 2 * G, PerPointPipelined<2>><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         } else if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value) {
             const cudaError_t e = memset_grad_value(pr, bytes, stream);
             if (e != cudaSuccess) return e;
-            msda_backward_fast<T, G, false, false, false, 4, true><<<grid, 256, 0, stream>>>(*pr);
+            msda_backward_fast<T, G, PerPointPipelined<4>><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
         break;
     case MSDA_ROUTE_POINT: {
         const cudaError_t e = memset_grad_value(pr, bytes, stream);
         if (e != cudaSuccess) return e;
-        if (opt) msda_backward_fast<T, G, DET, true><<<grid, 256, 0, stream>>>(*pr);
-        else msda_backward_fast<T, G, DET, false><<<grid, 256, 0, stream>>>(*pr);
+        if (plan.options)
+            msda_backward_fast<T, G, PerPointWithOptions<DET>><<<grid, 256, 0, stream>>>(*pr);
+        else msda_backward_fast<T, G, PerPoint<DET>><<<grid, 256, 0, stream>>>(*pr);
         return cudaSuccess;
     }
     default: break;
@@ -115,21 +113,15 @@ template <typename T, bool DET>
 static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_plan &plan,
                                   cudaStream_t stream, int64_t bytes) {
     if constexpr (HasFast<T>::value) {
-        switch (plan.group) {
-        case 1: return launch_fast<T, 1, DET>(pr, plan, stream, bytes);
-        case 2: return launch_fast<T, 2, DET>(pr, plan, stream, bytes);
-        case 4: return launch_fast<T, 4, DET>(pr, plan, stream, bytes);
-        case 8: return launch_fast<T, 8, DET>(pr, plan, stream, bytes);
-        case 16: return launch_fast<T, 16, DET>(pr, plan, stream, bytes);
-        case 32: return launch_fast<T, 32, DET>(pr, plan, stream, bytes);
-        default: break;
-        }
+        if (plan.group)
+            return with_group(plan.group, [&](auto g) {
+                return launch_fast<T, decltype(g)::value, DET>(pr, plan, stream, bytes);
+            });
     }
     if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
     const cudaError_t e = memset_grad_value(pr, bytes, stream);
     if (e != cudaSuccess) return e;
-    const unsigned int blocks = warp_blocks(pr->B * pr->Q * pr->H);
-    msda_backward_kernel<T, DET><<<blocks, 256, 0, stream>>>(*pr);
+    msda_backward_kernel<T, DET><<<plan.blocks, 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }
 
@@ -147,7 +139,8 @@ static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) 
                                 ? memset_grad_value(&buffered, n_value * 4, stream)
                                 : launch_kernels<T, false>(&buffered, plan, stream, n_value * 4);
             if (e != cudaSuccess) return e;
-            half_convert_kernel<T><<<flat_blocks((n_value + 7) / 8), 256, 0, stream>>>(*pr);
+            const unsigned int blocks = msda_grid_blocks((n_value + 7) / 8, 256, kAuxMaxBlocks);
+            half_convert_kernel<T><<<blocks, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
         return cudaErrorNotSupported;
@@ -158,9 +151,11 @@ static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) 
         return launch_kernels<T, false>(pr, plan, stream, n_value * (int64_t)sizeof(T));
     cudaError_t e = cudaMemsetAsync(pr->workspace, 0, MSDA_DET_HEADER_BYTES + (size_t)n_value * 8, stream);
     if (e != cudaSuccess) return e;
-    det_scan_kernel<T><<<flat_blocks(pr->B * pr->Q * pr->H * pr->C), 256, 0, stream>>>(*pr);
+    const int64_t n_grad_output = pr->B * pr->Q * pr->H * pr->C;
+    const unsigned int scan_blocks = msda_grid_blocks(n_grad_output, 256, kAuxMaxBlocks);
+    det_scan_kernel<T><<<scan_blocks, 256, 0, stream>>>(*pr);
     e = launch_kernels<T, true>(pr, plan, stream, 0);
     if (e != cudaSuccess) return e;
-    det_convert_kernel<T><<<flat_blocks(n_value), 256, 0, stream>>>(*pr);
+    det_convert_kernel<T><<<msda_grid_blocks(n_value, 256, kAuxMaxBlocks), 256, 0, stream>>>(*pr);
     return cudaSuccess;
 }

@@ -17,7 +17,7 @@
 /* Slot lists longer than MSDA_AGG_CAP are walked in segments by several walkers: the filer of a
  * row's n-th slot (n = MSDA_AGG_CAP, 2 * MSDA_AGG_CAP, ...) marks it, and a segment runs from
  * the list's head, or from a marked slot, to the next marked slot. */
-#define MSDA_AGG_CAP 16 /* 8 measured slower (more walkers and atomics) */
+#define MSDA_AGG_CAP 16 /* 8, 12, 24, 32 slower (kernels/TUNING.md, aggregated v28, v37) */
 #define MSDA_AGG_MARK 0x4000
 #define MSDA_AGG_LINK 0x3fff
 
@@ -213,8 +213,24 @@ template <typename T, int G> struct DetRowSums {
  * part + (G/2) * q there, so a walker's atomics cover whole sectors. The point gradients come
  * from dots summed in a fixed order either way. */
 #define MSDA_AGG_BUCKETS 16 /* segment lengths 1 .. 15 and 16 or more */
-template <typename T, int G, bool OPT, bool DET, bool FULL, typename P>
+
+/* What an instance of msda_backward_agg is compiled for (its Form): OPT, the option code
+ * (per-level points, nearest); DET, grad_value in fixed point; FULL, every gradient wanted (the
+ * walk tests no pointer); P, the points' storage (kernels/common.cuh: PointTensor). A launch
+ * names one of the forms below. */
+template <bool OPT_, bool DET_, bool FULL_, typename P_> struct AggForm {
+    static constexpr bool OPT = OPT_, DET = DET_, FULL = FULL_;
+    typedef P_ P;
+};
+/* MSDA_ROUTE_AGGREGATED: plain, with the option code, or plain with every gradient wanted */
+template <bool DET, typename P> using Aggregated = AggForm<false, DET, false, P>;
+template <bool DET, typename P> using AggregatedWithOptions = AggForm<true, DET, false, P>;
+template <typename P> using AggregatedAllGradients = AggForm<false, false, true, P>;
+
+template <typename T, int G, typename Form>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
+    constexpr bool OPT = Form::OPT, DET = Form::DET, FULL = Form::FULL;
+    typedef typename Form::P P;
     constexpr int V = 4;
     typedef StageAgg<G> St;
     /* One shared object, so every array is one base address plus a constant: with separate
@@ -257,7 +273,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     const bool point_grads = FULL || grad_loc || grad_attn;
     const int n_items = (int)(pr.B * pr.Q * pr.H), LP = (int)pr.NP, C = (int)pr.C;
     const bool nearest = OPT && (pr.flags & MSDA_NEAREST);
-    long long *det_acc = nullptr; /* DET: the fixed-point grad_value (see common.cuh) */
+    long long *det_acc = nullptr; /* DET: the fixed-point grad_value (deterministic.cuh) */
     float scale = 0.f;
     if (DET && pr.grad_value) {
         det_acc = (long long *)((char *)pr.workspace + MSDA_DET_HEADER_BYTES);

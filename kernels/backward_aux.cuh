@@ -13,7 +13,7 @@
 #define MSDA_ZERO_THREADS 64
 __global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int64_t n16);
 
-/* MSDA_DETERMINISTIC, step 1: header maxima of |grad_output| and |A| (see common.cuh), as
+/* MSDA_DETERMINISTIC, step 1: header maxima of |grad_output| and |A| (deterministic.cuh), as
  * doubles compared by their bits (monotone for values >= 0; a NaN compares above +Inf). */
 template <typename T>
 __global__ void __launch_bounds__(256) det_scan_kernel(msda_problem pr) {

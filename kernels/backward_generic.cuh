@@ -9,7 +9,7 @@
 
 #include "backward_common.cuh"
 
-/* DET: grad_value goes to the workspace's 64-bit fixed-point accumulator (see common.cuh).
+/* DET: grad_value goes to the workspace's 64-bit fixed-point accumulator (deterministic.cuh).
  * Half types: grad_value is T with NativeHalf (one 2-byte atomic a channel and corner), else the
  * f32 buffer the host put in its place (code older than sm_90, c/routes.c). */
 template <typename T, bool DET>

@@ -113,12 +113,28 @@ template <> struct Carried<__nv_bfloat16, 4> {
     }
 };
 
-/* SPLIT (plain problems with the points sliced, gridDim.y > 1): a chunk's loads and point
- * gradients first, then its scatter after grid_dep_wait, so that the block's loads overlap the
- * zeroing of grad_value by zero_kernel, whose programmatic dependent this kernel is. */
-template <typename T, int G, bool DET, bool OPT, bool SPLIT = false, int VV = 4, bool PIPE = false>
+/* What an instance of msda_backward_fast is compiled for (its Form): DET, grad_value in fixed
+ * point (MSDA_DETERMINISTIC); OPT, the option code (per-level points, nearest); SPLIT (plain
+ * problems with the points sliced, gridDim.y > 1), a chunk's loads and point gradients first,
+ * then its scatter after grid_dep_wait, so that the block's loads overlap the zeroing of
+ * grad_value by zero_kernel, whose programmatic dependent this kernel is; V channels a thread;
+ * PIPE, the next point's gathers issued ahead. A launch names one of the route's forms below. */
+template <bool DET_, bool OPT_, bool SPLIT_, int V_, bool PIPE_> struct PointForm {
+    static constexpr bool DET = DET_, OPT = OPT_, SPLIT = SPLIT_, PIPE = PIPE_;
+    static constexpr int V = V_;
+};
+/* MSDA_ROUTE_POINT: each corner gathered, then scattered; plain or with the option code */
+template <bool DET> using PerPoint = PointForm<DET, false, false, 4, false>;
+template <bool DET> using PerPointWithOptions = PointForm<DET, true, false, 4, false>;
+/* MSDA_ROUTE_POINT_SLICED: loads first, the scatter after the zeroing */
+using PerPointSliced = PointForm<false, false, true, 4, false>;
+/* MSDA_ROUTE_POINT_PIPELINED, CHANNELS a thread (f32 2, bf16 4) */
+template <int CHANNELS> using PerPointPipelined = PointForm<false, false, false, CHANNELS, true>;
+
+template <typename T, int G, typename Form>
 __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
-    constexpr int V = VV;
+    constexpr bool DET = Form::DET, OPT = Form::OPT, SPLIT = Form::SPLIT, PIPE = Form::PIPE;
+    constexpr int V = Form::V;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
     static_assert(!(PIPE && (DET || OPT || SPLIT)), "PIPE is for plain problems");
     typedef Stage<G> St;

@@ -40,10 +40,10 @@ template <> struct IsHalf<__nv_bfloat16> { static constexpr bool value = true; }
 /* A point tensor (sampling_locations, attention_weights or one of their gradients) of a
  * problem whose value is T, read as Acc and written from Acc. Its elements: P (T, or float
  * with a half T), or with P = void as pr.flags says: T, or float32 with MSDA_POINTS_F32 (half
- * T only; for f32 and f64 the test folds to false at compile time). The runtime test costs
- * the aggregated backward 1.5% in the all-half encoders (H100), so that kernel is compiled
- * for each P; elsewhere it costs nothing measurable (the forward was 2-5% faster with it:
- * its loads are issued earlier; kernels/TUNING.md). */
+ * T only; for f32 and f64 the test folds to false at compile time). The aggregated backward,
+ * which the runtime test slows, is compiled for each P; elsewhere the test costs nothing
+ * measurable (the forward gained with it: its loads are issued earlier). kernels/TUNING.md,
+ * "Float32 points with a half value". */
 template <typename T, typename P = void> struct PointTensor {
     typedef typename AccOf<T>::type Acc;
     static constexpr bool RUNTIME = std::is_same<P, void>::value;
@@ -241,10 +241,19 @@ static inline int run_launcher(const char *fn, const msda_problem *pr,
     return MSDA_OK;
 }
 
-/* Blocks for a grid-stride loop over `items` warps of 32 threads, 256 threads a block. */
-static inline unsigned int warp_blocks(int64_t items) {
-    const int64_t warps_per_block = 8;
-    int64_t blocks = (items + warps_per_block - 1) / warps_per_block;
-    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
+static inline bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* launch(std::integral_constant<int, G>()) for a runtime group size G (the fast kernels' threads
+ * an item: 1, 2, 4, ..., 32), the one place where G becomes a template argument; any other G is
+ * cudaErrorNotSupported. */
+template <typename Launch> static cudaError_t with_group(int G, Launch &&launch) {
+    switch (G) {
+    case 1: return launch(std::integral_constant<int, 1>());
+    case 2: return launch(std::integral_constant<int, 2>());
+    case 4: return launch(std::integral_constant<int, 4>());
+    case 8: return launch(std::integral_constant<int, 8>());
+    case 16: return launch(std::integral_constant<int, 16>());
+    case 32: return launch(std::integral_constant<int, 32>());
+    default: return cudaErrorNotSupported;
+    }
 }

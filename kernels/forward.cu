@@ -4,12 +4,11 @@
  * 4 channels a thread (16-byte f32 loads), or 8 in half types from 65536 items on (one 16-byte
  * load a corner, 128-thread blocks); the point loop unrolled 8 times; corner slots ordered by
  * pixel parity so neighbouring queries ask for shared pixels in the same load. Generic kernel
- * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets.
+ * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets. c/routes.c chooses
+ * (msda_plan_forward); the launcher switches on its plan.
  * Numerics: f32 accumulation (f64 for f64), one rounding to the output type.
  * H100 (BENCHMARKS.md): ddetr_enc f32 / bf16 / f16 0.166 / 0.119 / 0.118 ms, dino_dec900 0.020 /
  * 0.015 / 0.015, m2f_enc 0.150 / 0.113 / 0.110; why this form: kernels/TUNING.md. */
-#include <type_traits>
-
 #include "staging.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -51,26 +50,32 @@ __global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
     }
 }
 
-/* Threads a block of the 8-channel (half-type) kernels (32 items of 4 threads, all 16 points
- * of an item staged at once; 10 blocks a multiprocessor): 128 measured 3-5% faster than
- * 256 and 8% faster than 64. The 4-channel kernels keep 256. */
-#ifndef MSDA_FWD_WIDE_THREADS
-#define MSDA_FWD_WIDE_THREADS 128
-#endif
-/* Unrolling of the point loop: 8 measured 2-4% faster than 4 (more gathers in flight, the
- * same registers), 16 slower in f32 and m2f_enc. */
+/* Unrolling of the point loop: 8, faster than 4 (more gathers in flight, the same registers)
+ * and than 16 (kernels/TUNING.md, forward v21). */
 #ifndef MSDA_FWD_UNROLL
 #define MSDA_FWD_UNROLL 8
 #endif
 static constexpr int kFwdUnroll = MSDA_FWD_UNROLL;
-template <int V> struct FwdThreads {
-    static constexpr int NT = V == 8 ? MSDA_FWD_WIDE_THREADS : 256;
+/* What an instance of msda_forward_fast is compiled for (its Form): OPT, the option code
+ * (per-level points, nearest); V channels a thread; NT threads a block (MSDA_FWD_WIDE_THREADS
+ * for 8 channels, c/msda_internal.h). A launch names one of the routes' forms below. */
+template <bool OPT_, int V_> struct ForwardForm {
+    static constexpr bool OPT = OPT_;
+    static constexpr int V = V_, NT = V_ == 8 ? MSDA_FWD_WIDE_THREADS : 256;
 };
+/* MSDA_FWD_ROUTE_FAST (4 channels a thread) and MSDA_FWD_ROUTE_WIDE (8), plain or with the
+ * option code */
+using Fast = ForwardForm<false, 4>;
+using FastWithOptions = ForwardForm<true, 4>;
+using Wide = ForwardForm<false, 8>;
+using WideWithOptions = ForwardForm<true, 8>;
 
-template <typename T, int G, bool OPT, int V>
-__global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_problem pr) {
+template <typename T, int G, typename Form>
+__global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
+    constexpr bool OPT = Form::OPT;
+    constexpr int V = Form::V;
     static_assert(V == 4 || V == 8, "4 or 8 channels a thread");
-    typedef Stage<G, FwdThreads<V>::NT> St;
+    typedef Stage<G, Form::NT> St;
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     __shared__ int4 s_offs[St::IPB * St::STRIDE];
     __shared__ float4 s_w[St::IPB * St::STRIDE];
@@ -128,47 +133,51 @@ __global__ void __launch_bounds__(FwdThreads<V>::NT) msda_forward_fast(msda_prob
 // ---------------------------------------------------------------------------------------------
 // launcher
 
-/* Items from which half types take 8 channels a thread (one 16-byte load a corner, half the
- * threads): encoders gain, while a decoder's few thousand items would fill too few
- * threads (dino_dec900 twice as slow; kernels/TUNING.md). */
-#define MSDA_FWD_WIDE_MIN_ITEMS 65536
-
-template <typename T, int G, int V>
-static void launch_fast_v(const msda_problem *pr, cudaStream_t stream) {
-    constexpr int NT = FwdThreads<V>::NT;
-    const unsigned int blocks = item_blocks(pr->B * pr->Q * pr->H, NT / G);
-    if (msda_needs_general(pr)) msda_forward_fast<T, G, true, V><<<blocks, NT, 0, stream>>>(*pr);
-    else msda_forward_fast<T, G, false, V><<<blocks, NT, 0, stream>>>(*pr);
+/* The route of this call (c/routes.c chooses; msda_forward_route reports the same plan). */
+static msda_forward_plan plan_of(const msda_problem *pr) {
+    msda_forward_plan plan;
+    msda_plan_forward(pr, aligned16(pr->value) && aligned16(pr->output), &plan);
+    return plan;
 }
 
-/* G = C / 4 (fast_group) */
-template <typename T, int G>
-static cudaError_t launch_fast(const msda_problem *pr, cudaStream_t stream) {
-    if constexpr (!std::is_same<T, float>::value && G >= 2) {
-        if (pr->B * pr->Q * pr->H >= MSDA_FWD_WIDE_MIN_ITEMS) {
-            launch_fast_v<T, G / 2, 8>(pr, stream);
-            return cudaSuccess;
-        }
-    }
-    launch_fast_v<T, G, 4>(pr, stream);
+template <typename T, int G, typename Form>
+static cudaError_t launch_form(const msda_problem *pr, const msda_forward_plan &plan,
+                               cudaStream_t stream) {
+    msda_forward_fast<T, G, Form><<<plan.blocks, Form::NT, 0, stream>>>(*pr);
     return cudaSuccess;
+}
+
+/* The fast kernels of a plan (G = plan.group threads an item). A route this instantiation does
+ * not build (the plan and the if constexpr below disagree) is a library bug. */
+template <typename T, int G>
+static cudaError_t launch_fast(const msda_problem *pr, const msda_forward_plan &plan,
+                               cudaStream_t stream) {
+    switch (plan.kernel) {
+    case MSDA_FWD_ROUTE_FAST:
+        return plan.options ? launch_form<T, G, FastWithOptions>(pr, plan, stream)
+                            : launch_form<T, G, Fast>(pr, plan, stream);
+    case MSDA_FWD_ROUTE_WIDE: /* half types, 2 <= C / 4 <= 32 */
+        if constexpr (IsHalf<T>::value && G <= 16)
+            return plan.options ? launch_form<T, G, WideWithOptions>(pr, plan, stream)
+                                : launch_form<T, G, Wide>(pr, plan, stream);
+        break;
+    default: break;
+    }
+    return cudaErrorNotSupported;
 }
 
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
-    if constexpr (HasFast<T>::value) {
-        const void *ptrs[] = {pr->value, pr->output};
-        switch (fast_group(pr, ptrs, 2)) {
-        case 1: return launch_fast<T, 1>(pr, stream);
-        case 2: return launch_fast<T, 2>(pr, stream);
-        case 4: return launch_fast<T, 4>(pr, stream);
-        case 8: return launch_fast<T, 8>(pr, stream);
-        case 16: return launch_fast<T, 16>(pr, stream);
-        case 32: return launch_fast<T, 32>(pr, stream);
-        default: break;
-        }
+    const msda_forward_plan plan = plan_of(pr);
+    if (plan.kernel == MSDA_FWD_ROUTE_NONE) return cudaSuccess;
+    if (plan.kernel == MSDA_FWD_ROUTE_GENERIC) {
+        msda_forward_kernel<T><<<plan.blocks, 256, 0, stream>>>(*pr);
+        return cudaSuccess;
     }
-    msda_forward_kernel<T><<<warp_blocks(pr->B * pr->Q * pr->H), 256, 0, stream>>>(*pr);
-    return cudaSuccess;
+    if constexpr (HasFast<T>::value)
+        return with_group(plan.group, [&](auto g) {
+            return launch_fast<T, decltype(g)::value>(pr, plan, stream);
+        });
+    return cudaErrorNotSupported;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@
  * overlapping pixels), an encoder's as tiles of neighbouring pixels. The geometry of K points
  * per item is computed once per point by the whole block and kept in shared memory (corner
  * offsets, or -1 outside; weights), then read by every thread of the item's group.
- * Host side: fast_group (G, or 0 where the generic kernels must serve: c/routes.c) and the grid
- * size. Item indices and offsets are int32: the fast path needs B*S*H*C < 2^31. */
+ * Item indices and offsets are int32: the fast path needs B*S*H*C < 2^31 (c/routes.c chooses
+ * where it serves: msda_fast_group). */
 #pragma once
 
 #include "geometry.cuh"
@@ -14,9 +14,10 @@
 // fast path: 16-byte channel vectors and sampling geometry staged in shared memory
 //
 // A group of G = C / 4 threads owns one (b, q, h) item, each thread 4 channels (one 16-byte load
-// per corner in f32, 8 bytes in f16/bf16; one 16-byte f32 atomic per corner in the backward). A block of 256 threads holds 256 / G items. The geometry of the
-// items' sampling points is computed once per point (not once per thread, as in the generic
-// kernels) by the whole block, K points per item at a time, and kept in shared memory:
+// per corner in f32, 8 bytes in f16/bf16; one 16-byte f32 atomic per corner in the backward). A
+// block of 256 threads holds 256 / G items. The geometry of the items' sampling points is
+// computed once per point (not once per thread, as in the generic kernels) by the whole block,
+// K points per item at a time, and kept in shared memory:
 //   offs: for each corner, the element offset of its channel 0 for this head, or -1 if outside;
 //   geo:  the 4 corner weights times A (forward), or {A, fx, fy, 0} (backward).
 // Conditions: T is float, __half or __nv_bfloat16; C = 4*G with G a power of two <= 32;
@@ -37,11 +38,11 @@ template <int G, int NT_ = 256> struct Stage {
  * backward depends on it; the forward gains L1 hits). The query of rank r is r itself, or, in
  * the backward of an encoder (encoder_tiles), the r-th pixel in tile order, so that a block's
  * items are a tile of pixels (8 x 8 for the aggregated backward's 64) instead of a run of one
- * pixel row: on realistic ddetr_enc inputs 32 items' corners then fall on 0.18 distinct value
- * rows per corner instead of 0.28 (64 items: 0.14), and the aggregated backward loads and
- * updates that many fewer rows (the forward lost with it; kernels/TUNING.md). item_row gives the item's row (b*Q + q)*H + h in
- * grad_output / sampling_locations / attention_weights / output, item_head_off the element
- * offset of (b, s = 0, h, c = 0) in value. */
+ * pixel row: the block's corners fall on fewer distinct value rows, which the aggregated
+ * backward loads and updates once each (kernels/TUNING.md, aggregated v27 and v28; the forward
+ * lost with it, forward v15). item_row gives the item's row (b*Q + q)*H + h in grad_output /
+ * sampling_locations / attention_weights / output, item_head_off the element offset of
+ * (b, s = 0, h, c = 0) in value. */
 
 /* Whether the queries are the value's pixels level by level (Q == S and the levels, in order,
  * cover [0, S) exactly, as in an encoder): then a block can take a tile of neighbouring pixels
@@ -124,7 +125,7 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
             /* the sampling locations and weights of the item a wave of resident blocks (5 a
              * multiprocessor) later, fetched into L2 for that block's staging: read once,
              * they come from DRAM (for the 128-thread half-type forward, 10 blocks of half the
-             * items, the distance is half a wave; those kernels gained nothing from it) */
+             * items, the distance is half a wave; kernels/TUNING.md, forward v12) */
             unsigned n_sm; /* volatile: read here, not held in a register across the loop */
             asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n_sm));
             /* unsigned: item < 2^31 and the distance < 2^31, so the sum cannot wrap */
@@ -209,24 +210,4 @@ __device__ __forceinline__ void stage_chunk(const msda_problem &pr, const int4 *
         s_offs[il * St::STRIDE + k] = offs;
         s_geo[il * St::STRIDE + k] = geo;
     }
-}
-
-/* G = C / 4 when the fast kernels can serve this problem (msda_fast_group) and the tensors in
- * ptrs are 16-byte aligned, else 0. */
-static inline int fast_group(const msda_problem *pr, const void *const *ptrs, int n_ptrs) {
-    for (int j = 0; j < n_ptrs; j++)
-        if (ptrs[j] && ((uintptr_t)ptrs[j] & 15) != 0) return 0;
-    return msda_fast_group(pr);
-}
-
-/* Blocks for a fast kernel of ipb items a block (256 / G with G threads per item; twice that in
- * the aggregated backward): one block per ipb consecutive items, so the blocks resident at any
- * moment cover a compact window of neighbouring queries (good L2 reuse); grid-stride beyond
- * 2^31 - 1 blocks. A persistent grid whose blocks each walk a contiguous run of items was
- * slower (ddetr_enc f32 forward 0.41 vs 0.30 ms on an H100): its resident blocks spread over
- * the whole value tensor at once. */
-static inline unsigned int item_blocks(int64_t items, int64_t ipb) {
-    int64_t blocks = (items + ipb - 1) / ipb;
-    if (blocks > 0x7fffffff) blocks = 0x7fffffff;
-    return (unsigned int)(blocks < 1 ? 1 : blocks);
 }

@@ -37,6 +37,8 @@ FLAG_NEAREST, FLAG_DETERMINISTIC, FLAG_POINTS_F32 = 1, 4, 8  # (2, the fused sof
 ROUTE_KERNELS = {0: "none", 1: "generic", 2: "point", 3: "point_sliced", 4: "point_pipelined",
                  5: "aggregated"}
 ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
+# msda_fwd_route (c/msda.h)
+FWD_ROUTE_KERNELS = {0: "none", 1: "generic", 2: "fast", 3: "wide"}
 
 # msda_args (c/msda.h), the one argument of the compute entry points: its fields in order with
 # their struct codes. ARGS is its layout (fixed-width fields, no padding, 64-bit pointers: 192
@@ -127,6 +129,8 @@ _SIGNATURES = {
     "msda_backward": (_int, [_args]),
     # int64 msda_backward_workspace_size(const msda_args *args)
     "msda_backward_workspace_size": (_i64, [_args]),
+    # int msda_forward_route(const msda_args *args, int aligned16)
+    "msda_forward_route": (_int, [_args, _int]),
     # int msda_backward_route(const msda_args *args, int grads, int aligned16,
     #                         int multiprocessors, int sm90_code)
     "msda_backward_route": (_int, [_args] + [_int] * 4),

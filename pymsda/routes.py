@@ -1,20 +1,28 @@
-"""Which CUDA kernel serves a backward call (c/msda.h: msda_backward_route).
+"""Which CUDA kernel serves a forward or backward call (c/msda.h: msda_forward_route,
+msda_backward_route).
 
-The CUDA backward chooses one route per call in the C library (c/routes.c) and launches it. This
-module asks the same function, so a test can check that every route is reached and a user can
-see which kernel their shapes get:
+The CUDA forward and backward each choose one route per call in the C library (c/routes.c) and
+launch it. This module asks the same functions, so a test can check that every route is reached
+and a user can see which kernel their shapes get:
 
+    >>> pymsda.routes.forward_route(2, 19947, 8, 32, 4, 19947, 4, torch.bfloat16)
+    'wide'
     >>> pymsda.routes.backward_route(2, 19947, 8, 32, 4, 900, 4, torch.float32,
     ...                              multiprocessors=132, sm90_code=True)
     Route(kernel='point_pipelined', deterministic=False, f32_workspace=False)
 
-Kernels: 'none' (no queries: grad_value only zeroed), 'generic' (float64, channel counts other
-than 4 * 2^k up to 128, more than 2^31 value elements, misaligned tensors), 'point' (the fast
-per-point kernel), 'point_sliced' (few items: each item's points split over several blocks),
-'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders: corners merged
-per value row). Modifiers: deterministic (fixed-point sums in a workspace) and f32_workspace (a
-half-precision grad_value summed in float32: where the GPU code predates sm_90). float32 points
-with a half value (autocast's call) take the all-half call's route.
+Forward kernels: 'none' (no queries: nothing to write), 'generic' (float64, channel counts other
+than 4 * 2^k up to 128, more than 2^31 value elements, misaligned tensors), 'fast' (geometry
+staged in shared memory, 4 channels a thread), 'wide' (the fast kernel with 8 channels a thread:
+half-precision encoders, 65536 or more (b, q, h) items). The forward's choice needs no GPU.
+
+Backward kernels: 'none' (no queries: grad_value only zeroed), 'generic' (as the forward's),
+'point' (the fast per-point kernel), 'point_sliced' (few items: each item's points split over
+several blocks), 'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders:
+corners merged per value row). Modifiers: deterministic (fixed-point sums in a workspace) and
+f32_workspace (a half-precision grad_value summed in float32: where the GPU code predates
+sm_90). float32 points with a half value (autocast's call) take the all-half call's route, in
+both passes.
 """
 import collections
 
@@ -29,6 +37,46 @@ Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 
 ALL_GRADS = ("value", "sampling_locations", "attention_weights")
 _GRAD_BITS = {"value": 1, "sampling_locations": 2, "attention_weights": 4}
+
+
+def _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
+             points_dtype, device):
+    """msda_args of the sizes, dtype and options a route query names (device: its index)."""
+    if dtype not in _DTYPE_CODE:
+        raise TypeError(f"dtype must be one of {list(_DTYPE_CODE)}, got {dtype!r}")
+    level_points = None
+    if num_points_list is not None:
+        total, level_points = _level_points(num_points_list, L)
+        if total != P:
+            raise ValueError(f"num_points_list {list(num_points_list)} sums to {total}, P = {P}")
+    flags = _flags(sampling, deterministic)
+    if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
+                                                                           torch.bfloat16):
+        flags |= _lib.FLAG_POINTS_F32  # (_plan._points: float32 points)
+    return _lib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
+                          device=device, flags=flags, level_points=level_points)
+
+
+def _checked(route):
+    if route < 0:
+        raise ValueError("pymsda: " + _lib.lib.msda_last_error().decode())
+    return route
+
+
+def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
+                  softmax=False, aligned=True, points_dtype=None):
+    """The kernel the CUDA forward runs (a name of _lib.FWD_ROUTE_KERNELS: 'none', 'generic',
+    'fast', 'wide') for these sizes (as in ms_deform_attn: value (B, S, H, C), L levels, Q
+    queries, P points per level, or per-level counts in num_points_list with P their sum), dtype
+    (value's) and options. points_dtype: that of sampling_locations and attention_weights
+    (default: value's; float32 with a half value, autocast's call, takes the all-half call's
+    route). softmax: accepted; the route is the plain call's (the op composes torch's softmax
+    with it). aligned: value and output 16-byte aligned (torch's allocations are). The choice
+    depends on no GPU: any build answers."""
+    args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, False, points_dtype,
+                    -1)
+    route = _checked(_lib.lib.msda_forward_route(args, int(bool(aligned))))
+    return _lib.FWD_ROUTE_KERNELS[route]
 
 
 def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
@@ -48,11 +96,6 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
     unknown = set(grads) - set(_GRAD_BITS)
     if unknown:
         raise ValueError(f"grads must name gradients among {ALL_GRADS}, got {sorted(unknown)}")
-    level_points = None
-    if num_points_list is not None:
-        total, level_points = _level_points(num_points_list, L)
-        if total != P:
-            raise ValueError(f"num_points_list {list(num_points_list)} sums to {total}, P = {P}")
     explicit = multiprocessors is not None and sm90_code is not None
     if explicit:
         index, multiprocessors, sm90_code = -1, int(multiprocessors), int(bool(sm90_code))
@@ -65,17 +108,11 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
         index = torch.device(device if device is not None else "cuda").index
         index = torch.cuda.current_device() if index is None else index
         multiprocessors, sm90_code = 0, -1
-    flags = _flags(sampling, deterministic)  # softmax=True composes torch's softmax with the
-    # plain op: the same route as without it
-    if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
-                                                                           torch.bfloat16):
-        flags |= _lib.FLAG_POINTS_F32  # (_plan._points: float32 points)
-    args = _lib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
-                          device=index, flags=flags,
-                          level_points=level_points)
-    route = _lib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
-                                         int(bool(aligned)), multiprocessors, sm90_code)
-    if route < 0:
-        raise ValueError("pymsda: " + _lib.lib.msda_last_error().decode())
+    # softmax=True composes torch's softmax with the plain op: the same route as without it
+    args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
+                    points_dtype, index)
+    route = _checked(_lib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
+                                                  int(bool(aligned)), multiprocessors,
+                                                  sm90_code))
     return Route(_lib.ROUTE_KERNELS[route & _lib.ROUTE_KERNEL_MASK],
                  bool(route & _lib.ROUTE_DETERMINISTIC), bool(route & _lib.ROUTE_F32_WORKSPACE))

@@ -354,16 +354,18 @@ def test_args_struct_mirrors_the_header():
 
 
 def test_null_args_and_a_nonzero_reserved_field_are_refused():
-    """Every entry point that takes a msda_args refuses NULL (a status, or -1 from the two
+    """Every entry point that takes a msda_args refuses NULL (a status, or -1 from the
     queries) and a nonzero reserved field, naming itself and the cause."""
     from pymsda import _lib
     lib = _lib.lib
     calls = {"msda_forward": lib.msda_forward, "msda_backward": lib.msda_backward,
              "msda_backward_workspace_size": lib.msda_backward_workspace_size,
+             "msda_forward_route": lambda args: lib.msda_forward_route(args, 1),
              "msda_backward_route": lambda args: lib.msda_backward_route(args, 7, 1, 132, 1)}
     refused = {"msda_forward": _lib.ERR_INVALID_ARGUMENT,
                "msda_backward": _lib.ERR_INVALID_ARGUMENT,
-               "msda_backward_workspace_size": -1, "msda_backward_route": -1}
+               "msda_backward_workspace_size": -1, "msda_forward_route": -1,
+               "msda_backward_route": -1}
     sizes = dict(B=1, S=4, H=1, C=4, L=1, Q=1, P=1, dtype=_lib.DTYPE_F32, device=-1)
     for name, call in calls.items():
         assert call(None) == refused[name]

@@ -1,18 +1,19 @@
-"""The CUDA backward's routes (c/routes.c, c/msda.h: msda_route), table by table.
+"""The CUDA forward's and backward's routes (c/routes.c, c/msda.h: msda_fwd_route, msda_route),
+table by table.
 
-On every machine: the choice itself, asked of the library with the device stated (an H100's 132
-multiprocessors and sm_90 code, an A100's 108 and older code), for a table of problems that
-each rule of the chooser decides. With a GPU: one small problem per route, kernel and dtype,
-whose route on this device is asserted before its forward and three gradients are checked
-against the float64 oracle; tests/gpu_reliability.sh runs these under compute-sanitizer, so
-every route is instrumented there.
+On every machine: the choice itself, asked of the library for a table of problems that each rule
+of the chooser decides; the backward's with the device stated (an H100's 132 multiprocessors and
+sm_90 code, an A100's 108 and older code), the forward's needs none. With a GPU: one small problem
+per route, kernel and dtype, whose route is asserted before its output (and for the backward its
+three gradients) is checked against the float64 oracle; tests/gpu_reliability.sh runs these under
+compute-sanitizer, so every route is instrumented there.
 """
 import pytest
 import torch
 
 import pymsda
 from pymsda.reference import ms_deform_attn_pytorch
-from pymsda.routes import ALL_GRADS, Route, backward_route
+from pymsda.routes import ALL_GRADS, Route, backward_route, forward_route
 from conftest import requires_cuda
 from factories import (GRAD_NAMES, loose_bound, make_point_inputs, oracle_backward_general,
                        oracle_forward_general, random_grad_output, rel_l2)
@@ -135,6 +136,90 @@ def test_every_route_appears_in_the_table():
     assert kernels == set(pymsda._lib.ROUTE_KERNELS.values())
     assert any(e.deterministic for _, _, e in TABLE) and any(e.f32_workspace for _, _, e in TABLE)
 
+
+# ---- the forward: (name, arguments of forward_route beyond DDETR's sizes, expected kernel) ------
+
+def fwd(dtype, Q=300, **changes):
+    sizes = dict(DDETR, **{k: v for k, v in changes.items() if k in DDETR})
+    options = {k: v for k, v in changes.items() if k not in DDETR}
+    return forward_route(sizes["B"], sizes["S"], sizes["H"], sizes["C"], sizes["L"], Q,
+                         sizes["P"], dtype, **options)
+
+
+ENCODER = 19947  # Q = S: 2 * 19947 * 8 = 319152 items, past the wide form's 65536
+FORWARD_TABLE = [
+    # G = C / 4 threads an item, every group size: float32 takes 4 channels a thread always
+    *[(f"f32 encoder C={4 * G}", dict(dtype=f32, Q=ENCODER, C=4 * G), "fast")
+      for G in (1, 2, 4, 8, 16, 32)],
+    *[(f"f32 decoder C={4 * G}", dict(dtype=f32, Q=900, C=4 * G), "fast")
+      for G in (1, 2, 4, 8, 16, 32)],
+    # half types: 8 channels a thread (C / 8 threads an item) from 65536 items on, C >= 8
+    *[(f"{str(d)[6:]} encoder C={4 * G}", dict(dtype=d, Q=ENCODER, C=4 * G),
+       "fast" if G == 1 else "wide") for d in (f16, bf16) for G in (1, 2, 4, 8, 16, 32)],
+    *[(f"{str(d)[6:]} decoder C={4 * G}", dict(dtype=d, Q=900, C=4 * G), "fast")
+      for d in (f16, bf16) for G in (1, 2, 4, 8, 16, 32)],
+    ("bf16 65528 items", dict(dtype=bf16, B=1, Q=8191), "fast"),
+    ("bf16 65536 items", dict(dtype=bf16, B=1, Q=8192), "wide"),
+    ("f16 65536 items C=4", dict(dtype=f16, B=1, Q=8192, C=4), "fast"),
+    # options and float32 points (autocast's call) take the plain call's kernel
+    ("bf16 encoder nearest", dict(dtype=bf16, Q=ENCODER, sampling="nearest"), "wide"),
+    ("f16 encoder per-level points", dict(dtype=f16, Q=ENCODER, P=16,
+                                          num_points_list=[1, 3, 5, 7]), "wide"),
+    ("f32 decoder per-level points", dict(dtype=f32, P=16, num_points_list=[1, 3, 5, 7]),
+     "fast"),
+    ("f32 decoder nearest softmax", dict(dtype=f32, sampling="nearest", softmax=True), "fast"),
+    ("bf16 encoder f32 points", dict(dtype=bf16, Q=ENCODER, points_dtype=f32), "wide"),
+    ("f16 decoder f32 points", dict(dtype=f16, points_dtype=f32), "fast"),
+    # the generic kernel: f64, channel counts the fast kernels lack, sizes past int32 offsets,
+    # too many levels, misaligned tensors
+    *[(f"f64 C={C}", dict(dtype=f64, Q=ENCODER, C=C), "generic") for C in (4, 32, 128)],
+    *[(f"{str(d)[6:]} C={C}", dict(dtype=d, Q=ENCODER, C=C), "generic")
+      for d in (f32, f16, bf16) for C in (1, 3, 5, 12, 48, 96, 256)],
+    ("bf16 C=12 f32 points", dict(dtype=bf16, Q=ENCODER, C=12, points_dtype=f32), "generic"),
+    ("2^31 value elements", dict(dtype=f16, B=1, S=2 ** 23, Q=ENCODER), "generic"),
+    ("just under 2^31 value elements", dict(dtype=f16, B=1, S=2 ** 23 - 1, Q=ENCODER), "wide"),
+    ("2^31 - 1023 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1023), "generic"),
+    ("2^31 - 1024 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1024), "fast"),
+    ("2^31 - 1024 items C=8", dict(dtype=bf16, B=1, H=1, C=8, L=1, P=1, Q=2 ** 31 - 1024,
+                                   S=1), "wide"),
+    ("17 levels", dict(dtype=bf16, Q=ENCODER, L=17), "generic"),
+    ("16 levels", dict(dtype=bf16, Q=ENCODER, L=16), "wide"),
+    ("f32 misaligned", dict(dtype=f32, aligned=False), "generic"),
+    ("bf16 encoder misaligned", dict(dtype=bf16, Q=ENCODER, aligned=False), "generic"),
+    # nothing to compute
+    ("no queries", dict(dtype=f32, Q=0), "none"),
+    ("no batch", dict(dtype=bf16, B=0, Q=ENCODER), "none"),
+]
+
+
+@pytest.mark.parametrize("name,args,expected", FORWARD_TABLE, ids=[t[0] for t in FORWARD_TABLE])
+def test_forward_route_follows_the_chooser_table(name, args, expected):
+    assert fwd(**args) == expected
+
+
+def test_every_forward_route_appears_in_the_table():
+    kernels = {expected for _, _, expected in FORWARD_TABLE}
+    assert kernels == set(pymsda._lib.FWD_ROUTE_KERNELS.values())
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(C=0), ValueError, "C = 0"),
+    (dict(sampling="cubic"), ValueError, "sampling"),
+    (dict(num_points_list=[1, 2, 3, 4]), ValueError, "sums to 10"),
+    (dict(dtype=torch.int32), TypeError, "dtype"),
+    (dict(dtype=f32, points_dtype=f16), None, None),  # a narrower points dtype: value's route
+])
+def test_forward_route_refuses_bad_arguments_naming_them(bad, error, match):
+    args = dict(dict(B=2, S=19947, H=8, C=32, L=4, Q=300, P=4, dtype=f32), **bad)
+    sizes = [args.pop(k) for k in ("B", "S", "H", "C", "L", "Q", "P", "dtype")]
+    if error is None:
+        assert forward_route(*sizes, **args) == "fast"
+        return
+    with pytest.raises(error, match=match):
+        forward_route(*sizes, **args)
+
+
+# ---- the backward's refusals -------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad,match", [
     (dict(grads=("weights",)), "grads"),
@@ -269,6 +354,52 @@ def test_each_route_matches_f64_oracle_cuda(generator, case):
                 name
 
 
+# (kernel, dtypes, channels, queries, options): one small problem per forward route and dtype,
+# half types also with float32 points; the wide form needs 65536 items (2 * Q * 3 heads)
+FWD_GPU_CASES = [
+    ("generic", (f64, f32, f16, bf16), 3, 7, {}),
+    ("fast", (f32, f16, bf16), 32, 7, {}),
+    ("fast", (f32, bf16), 16, 7, dict(sampling="nearest")),
+    ("wide", (f16, bf16), 16, 10923, {}),
+    ("wide", (f16, bf16), 8, 10923, dict(sampling="nearest")),
+]
+FWD_GPU_PARAMS = [(kernel, dtype, C, Q, options, points32)
+                  for kernel, dtypes, C, Q, options in FWD_GPU_CASES for dtype in dtypes
+                  for points32 in ((False, True) if dtype in (f16, bf16) else (False,))]
+
+
+def _fwd_gpu_id(p):
+    kernel, dtype, C, Q, options, points32 = p
+    extra = "".join(f"-{k}={v}" for k, v in options.items())
+    return f"{kernel}-{str(dtype)[6:]}-C{C}{extra}" + ("-points=f32" if points32 else "")
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", FWD_GPU_PARAMS, ids=[_fwd_gpu_id(p) for p in FWD_GPU_PARAMS])
+def test_each_forward_route_matches_f64_oracle_cuda(generator, case):
+    kernel, dtype, C, Q, options, points32 = case
+    L, P = len(SHAPES), 2
+    assert forward_route(2, S_SMALL, 3, C, L, Q, P, dtype,
+                         points_dtype=f32 if points32 else None, **options) == kernel
+    inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L,
+                               dtype=f32 if points32 else dtype, device="cuda")
+    if points32:
+        inputs["value"] = inputs["value"].to(dtype)
+    inputs["sampling_locations"] = inputs["sampling_locations"].reshape(2, Q, 3, L, P, 2)
+    inputs["attention_weights"] = inputs["attention_weights"].reshape(2, Q, 3, L, P)
+    args = (inputs["value"], inputs["spatial_shapes"], inputs["sampling_locations"],
+            inputs["attention_weights"])
+    out = pymsda.ms_deform_attn(args[0], args[1], None, *args[2:], **options)
+    expected = oracle_forward_general(inputs, nearest=options.get("sampling") == "nearest")
+    if points32:  # the output differs from the oracle by its rounding to half precision
+        assert rel_l2(out, expected) < (2.0 ** -8 if dtype == bf16 else 2.0 ** -11)
+    elif dtype in (f64, f32):
+        assert rel_l2(out, expected) < (1e-13 if dtype == f64 else 1e-6)
+    else:
+        reference = ms_deform_attn_pytorch(*args, **options)
+        assert rel_l2(out, expected) <= loose_bound(rel_l2(reference, expected))
+
+
 def test_route_codes_match_the_header():
     import re
     from pathlib import Path
@@ -281,3 +412,6 @@ def test_route_codes_match_the_header():
     assert codes["KERNEL_MASK"] == pymsda._lib.ROUTE_KERNEL_MASK
     assert codes["DETERMINISTIC"] == pymsda._lib.ROUTE_DETERMINISTIC
     assert codes["F32_WORKSPACE"] == pymsda._lib.ROUTE_F32_WORKSPACE
+    forward = {name.lower(): int(value) for name, value in
+               re.findall(r"MSDA_FWD_ROUTE_(\w+)\s*=\s*(\d+)", header)}
+    assert forward == {name: code for code, name in pymsda._lib.FWD_ROUTE_KERNELS.items()}

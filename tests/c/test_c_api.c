@@ -148,6 +148,9 @@ static void test_null_args_refused(void) {
     CHECK(msda_backward_workspace_size(NULL) == -1 &&
               strcmp(msda_last_error(), "msda_backward_workspace_size: args is NULL") == 0,
           "workspace size NULL: %s", msda_last_error());
+    CHECK(msda_forward_route(NULL, 1) == -1 &&
+              strcmp(msda_last_error(), "msda_forward_route: args is NULL") == 0,
+          "forward route NULL: %s", msda_last_error());
     CHECK(msda_backward_route(NULL, 7, 1, 132, 1) == -1 &&
               strcmp(msda_last_error(), "msda_backward_route: args is NULL") == 0,
           "route NULL: %s", msda_last_error());
