@@ -122,3 +122,19 @@ def restore(targets, undo=None):
             if undo is not None:
                 undo(original, replacement)
     return restored
+
+
+def routed_switch(targets, replacement, project):
+    """install() and uninstall() for a project that calls its MSDA by the module-level names in
+    targets: install switches each to a routed(original, replacement) (the project's own code
+    while a tracer records), uninstall puts the originals back."""
+    def install():
+        return switch(targets, lambda original, module: routed(original, replacement), project)
+
+    def uninstall():
+        return restore(targets)
+
+    install.__doc__ = (f"Switches the MSDA of {project} to pymsda; returns the names switched "
+                       f"(a warning when {project} cannot be imported or has no such name).")
+    uninstall.__doc__ = f"Restores the own MSDA of {project}; returns the names restored."
+    return install, uninstall

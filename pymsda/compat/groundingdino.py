@@ -38,15 +38,5 @@ def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes: Any, sampli
                           attention_weights)
 
 
-def install():
-    """Switches rf-groundingdino's MSDA to pymsda; returns the names switched (a warning when
-    groundingdino cannot be imported or has no such name)."""
-    return _switch.switch(
-        _TARGETS, lambda original, module: _switch.routed(original,
-                                                          multi_scale_deformable_attn_pytorch),
-        "rf-groundingdino")
-
-
-def uninstall():
-    """Restores rf-groundingdino's own MSDA; returns the names restored."""
-    return _switch.restore(_TARGETS)
+install, uninstall = _switch.routed_switch(_TARGETS, multi_scale_deformable_attn_pytorch,
+                                           "rf-groundingdino")

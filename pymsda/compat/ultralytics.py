@@ -40,15 +40,5 @@ def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_lo
                           sampling_locations.reshape(shape + [2]), attention_weights.reshape(shape))
 
 
-def install():
-    """Switches Ultralytics' MSDA to pymsda; returns the names switched (a warning when
-    ultralytics is not installed or has no such name)."""
-    return _switch.switch(
-        _TARGETS, lambda original, module: _switch.routed(original,
-                                                          multi_scale_deformable_attn_pytorch),
-        "ultralytics")
-
-
-def uninstall():
-    """Restores Ultralytics' own MSDA; returns the names restored."""
-    return _switch.restore(_TARGETS)
+install, uninstall = _switch.routed_switch(_TARGETS, multi_scale_deformable_attn_pytorch,
+                                           "ultralytics")
