@@ -179,7 +179,7 @@ def _slow_path(device):
     if not _lib.has_cuda_kernels:
         cause = f"the pymsda library it loaded ({_lib.path}) was built without CUDA kernels"
         fix = ("build them: in the pymsda checkout, `make && pip install .` with a CUDA compiler "
-               "present (no CUDA toolkit? README, Set up, says which pip command installs one)")
+               "present (no CUDA toolkit? docs/build.md says which pip command installs one)")
     else:
         major, minor = torch.cuda.get_device_capability(device)
         cause = _lib.unserved_cuda.get(device.index, "its kernels do not run on this GPU")

@@ -24,7 +24,7 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = "libpymsda.so"
-SDIST_PATHS = ["c", "kernels", "pymsda", "tests", "Makefile", "pyproject.toml", "README.md", "BENCHMARKS.md"]
+SDIST_PATHS = ["c", "kernels", "pymsda", "tests", "docs", "Makefile", "pyproject.toml", "README.md", "BENCHMARKS.md"]
 EXCLUDED = re.compile(r"(^|/)__pycache__(/|$)|\.(pyc|so|o|a)$")  # build outputs never shipped as source
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed timestamps: same sources, same wheel bytes
 

@@ -3,7 +3,7 @@
 TorchScript cannot compile ms_deform_attn itself (keyword-only options, a C library called by
 ctypes). So ms_deform_attn is registered as a TorchScript builtin, as torch registers its own
 Python functions: a scripted function or module that calls pymsda.ms_deform_attn (or a drop-in
-that is scriptable, see README, Export) records one node pymsda::ms_deform_attn, with the same
+that is scriptable, see docs/export.md) records one node pymsda::ms_deform_attn, with the same
 arguments. Its kernel (CompositeImplicitAutograd, so autograd sees what it runs) is
 ms_deform_attn itself: the scripted code computes exactly what eager code computes, with the same
 checks and gradients. A saved scripted module loads where pymsda is imported.

@@ -134,7 +134,7 @@ def not_scriptable(module):
         "torch.jit.script (its forward is Python that TorchScript does not take, as is the "
         "original's). Use torch.jit.trace (it records pymsda's op), torch.export or "
         "torch.onnx.export; or script code that calls pymsda.ms_deform_attn or holds "
-        "pymsda.MSDeformAttn, which TorchScript compiles (see README, Export)")
+        "pymsda.MSDeformAttn, which TorchScript compiles (see docs/export.md)")
 
 
 def script_unsupported_because(function, why):
@@ -143,7 +143,7 @@ def script_unsupported_because(function, why):
         f"pymsda: {function.__module__}.{function.__qualname__} cannot be compiled by "
         f"torch.jit.script ({why}). Use torch.jit.trace (it records pymsda's op), torch.export "
         "or torch.onnx.export; or script code that calls pymsda.ms_deform_attn, which "
-        "TorchScript records as the operator pymsda::ms_deform_attn (see README, Export)"))
+        "TorchScript records as the operator pymsda::ms_deform_attn (see docs/export.md)"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -311,7 +311,7 @@ def format_table(rows):
 
 
 def format_markdown(rows, meta):
-    """Rows for README.md's "Tested with" table."""
+    """Rows for docs/build.md's "Tested with" table."""
     lines = []
     for r in rows:
         result = "%d passed, %d skipped, %d failed" % (r["passed"], r["skipped"], r["failed"] + r["error"])
@@ -343,7 +343,7 @@ def main(argv=None):
                         "version), e.g. 2.14.1=tests/requirements-clients-torchvision.txt")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds for one test suite run")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--markdown", action="store_true", help="also print rows for README's table")
+    parser.add_argument("--markdown", action="store_true", help="also print rows for docs/build.md's table")
     parser.add_argument("--commit", help="the commit to report (default: git rev-parse --short HEAD, "
                         "'with uncommitted changes' when the tree differs), e.g. on a copy without .git")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")

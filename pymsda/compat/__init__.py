@@ -1,6 +1,6 @@
 """Drop-in replacements for the MSDA entry points of other projects, on pymsda's kernels.
 
-Switching is a one-line change of an import (see README.md, "Switching from ..."): each module
+Switching is a one-line change of an import (see docs/compat.md): each module
 keeps the names, argument names and order, output shapes and dtypes of the project it mirrors,
 and modules keep their parameter names, so checkpoints load unchanged.
 
