@@ -1,8 +1,10 @@
 """tests/test_cpu_threads.py: the CPU kernels under every threading situation they meet in PyTorch.
 
-The op runs on torch.get_num_threads() OpenMP threads (pymsda/_autograd.py, _device_args, passes it); the library
-links libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded, so torch
-and pymsda share one OpenMP runtime and thread pool. Checked here:
+The op runs on torch.get_num_threads() OpenMP threads (pymsda/_autograd.py, _device_args, passes
+it) of the runtime torch already loaded: pymsda/_lib.py puts that runtime in the global scope
+before it loads the library (a wheel's library names no OpenMP library; a build folder's names
+libgomp.so.1, which resolves to the same copy), so torch and pymsda share one OpenMP runtime and
+thread pool. Checked here:
 - results are bitwise identical for any thread count, in the three work splits of the backward
   (tasks owning whole batches, tasks owning head blocks of a batch, and the split backward for
   fewer (b, h) slices than threads can share), and match the f64 oracle;
@@ -205,7 +207,7 @@ def test_torch_and_pymsda_share_one_openmp_runtime():
     gomp = {p for p in mapped if os.path.basename(p).startswith("libgomp")}
     if not gomp:
         pytest.skip("no libgomp mapped (a build without OpenMP)")
-    # pymsda imports torch first, so its libgomp.so.1 dependency resolves to torch's copy.
+    # pymsda binds to the runtime torch loaded (pymsda/_lib.py), never a second one.
     assert len(gomp) == 1, f"two GNU OpenMP runtimes loaded: {sorted(gomp)}"
 
 
