@@ -247,6 +247,30 @@ def test_cpu_rows_are_timed_in_interleaved_rounds_that_alternate_direction():
         assert len(row["pymsda_p10_p90_ms"]) == 2
 
 
+def test_alternated_groups_take_turns_to_run_first():
+    # --points f32 times autocast's call and the all-half call alternated; the call that runs
+    # second can find the first's data in L2, so the pair's order flips every other round.
+    ran = []
+    groups = [[lambda k=(g, i): ran.append(k) for i in range(2)] for g in ("A", "H")]
+    (a_ms, *_), (h_ms, *_) = timing.time_ms_alternated(groups, reps=4, device=torch.device("cpu"),
+                                                        warmup=0)
+    warm = [("A", 0), ("H", 0), ("A", 1), ("H", 1)]
+    forward, backward = warm, [("H", 0), ("A", 0), ("H", 1), ("A", 1)]
+    assert ran == warm + (forward + backward) * 2
+    assert a_ms >= 0 and h_ms >= 0
+
+
+def test_the_all_half_sets_timed_beside_autocast_hold_their_own_value_and_grad_output():
+    spec = bench_inputs.load_shapes()["cpu"]["small_enc"]
+    inputs = bench_inputs.make_inputs(spec, torch.bfloat16, points32=True)
+    shared, own = op._all_half(inputs), op._all_half(inputs, copies=True)
+    for half in (shared, own):
+        assert half["sampling_locations"].dtype == half["attention_weights"].dtype == torch.bfloat16
+    assert shared["value"] is inputs["value"]
+    for key in ("value", "grad_output"):
+        assert own[key].data_ptr() != inputs[key].data_ptr() and torch.equal(own[key], inputs[key])
+
+
 def test_queue_ran_dry_flags_idle_gaps_between_timed_calls():
     # GPU milliseconds between one call's end event and the next call's start event: a few
     # microseconds while the host keeps ahead of the GPU, more where the queue ran dry.

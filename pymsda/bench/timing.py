@@ -178,16 +178,26 @@ def time_ms(calls, reps, device, warmup):
 
 def time_ms_alternated(groups, reps, device, warmup):
     """time_ms of each group of calls (lists of equal length), their calls alternated: the i-th
-    call of every group, then the (i+1)-th, ..., so that the groups share the run's drift."""
-    calls = [call for same_set in zip(*groups) for call in same_set]
+    call of every group, then the (i+1)-th, ..., so that the groups share the run's drift. The
+    groups' order is reversed on every other round (reps rounded up to even), so each group runs
+    first as often as last: a call that follows another on the GPU can find that call's data in
+    L2, or its memory freshly reused."""
+    n = len(groups)
+    forward = [(g, call) for same_set in zip(*groups) for g, call in enumerate(same_set)]
+    backward = [(g, call) for same_set in zip(*groups)
+                for g, call in reversed(list(enumerate(same_set)))]
+    rounds = forward + backward if n > 1 else forward
     enabled = gc.isenabled()
     gc.disable()
     try:
-        times = _times_ms(calls, reps, device, warmup)
+        times = _times_ms([call for _, call in rounds], -(-reps // 2) if n > 1 else reps,
+                          device, max(warmup, len(forward)))  # every call at least once
     finally:
         if enabled:
             gc.enable()
-    return [percentiles(times[g::len(groups)]) for g in range(len(groups))]
+    owner = [g for g, _ in rounds]
+    return [percentiles([t for k, t in enumerate(times) if owner[k % len(owner)] == g])
+            for g in range(n)]
 
 
 # If the host falls behind the GPU while queuing the timed calls (the sleep kernel ended too
