@@ -123,24 +123,40 @@ static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block,
  * threads (forward v8, v10). */
 #define MSDA_FWD_WIDE_THREADS 128
 #define MSDA_FWD_WIDE_MIN_ITEMS 65536
+/* Forward, direct kernel: items of at most MSDA_FWD_DIRECT_MAX_POINTS points take it whatever
+ * their count, and any plain problem whose items times C / 4 fall short of
+ * MSDA_FWD_DIRECT_LANES; an item's points are split over lane groups (c/routes.c,
+ * direct_split). The direct backward takes the same thresholds. */
+#define MSDA_FWD_DIRECT_MAX_POINTS 4
+#define MSDA_FWD_DIRECT_LANES (1 << 16)
+#define MSDA_FWD_DIRECT_LANE_POINTS 4
+#define MSDA_FWD_DIRECT_MIN_LANES (1 << 15)
 /* Backward: the per-point kernel's blocks a multiprocessor holds (its launch bound), the most
  * slices an item's points are split into. */
 #define MSDA_BWD_RESIDENT_BLOCKS 5
+/* Backward, direct kernel: most points a lane holds between its loads and its scatter; items
+ * of at most MSDA_BWD_DIRECT_FEW_POINTS points take it whatever their count (c/routes.c). */
+#define MSDA_BWD_DIRECT_MAX_POINTS 4
+#define MSDA_BWD_DIRECT_FEW_POINTS 4
+#define MSDA_BWD_DIRECT_LANES (1 << 17)
 #define MSDA_BWD_MAX_SLICES 8
 
 typedef struct {
-    int kernel;  /* MSDA_FWD_ROUTE_NONE .. MSDA_FWD_ROUTE_WIDE (c/msda.h) */
-    int group;   /* fast kernels: threads an item (C / 4, C / 8 in the wide form); 0 generic */
+    int kernel;  /* MSDA_FWD_ROUTE_NONE .. MSDA_FWD_ROUTE_DIRECT (c/msda.h) */
+    int group;   /* fast kernels: threads an item's channels take (C / vec); 0 generic */
+    int vec;     /* fast kernels: channels a thread (4, or 8: wide, half-type direct) */
+    int split;   /* direct kernel: lane groups an item's points are split over (1, 2, 4) */
     int options; /* fast kernels: compiled with the option code (msda_needs_general) */
     unsigned int blocks; /* gridDim.x */
 } msda_forward_plan;
 
 typedef struct {
-    int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_AGGREGATED (c/msda.h) */
+    int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_DIRECT (c/msda.h) */
     int modifiers;  /* MSDA_ROUTE_DETERMINISTIC | MSDA_ROUTE_F32_WORKSPACE */
     int group;      /* fast kernels: G = C / 4 threads an item (0 for the generic kernel) */
     int options;    /* fast kernels: compiled with the option code (msda_needs_general) */
     int slices;     /* gridDim.y: slices of each item's points */
+    int split;      /* direct kernel: lane groups an item's points are split over (1, 2, 4) */
     unsigned int blocks; /* gridDim.x */
 } msda_backward_plan;
 

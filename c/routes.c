@@ -20,13 +20,60 @@ int msda_fast_group(const msda_problem *pr) {
     return (int)G;
 }
 
+/* Lane groups an item's points are split over in the direct forward: about
+ * MSDA_FWD_DIRECT_LANE_POINTS points a lane (at most 4 groups, one warp an item), doubled once
+ * more while the grid has fewer than MSDA_FWD_DIRECT_MIN_LANES lanes. */
+static int direct_split(const msda_problem *pr, int64_t items, int G) {
+    int split = 1;
+    while (split < 4 && G * 2 * split <= 32 && split * MSDA_FWD_DIRECT_LANE_POINTS < pr->NP)
+        split *= 2;
+    while (split < 4 && G * 2 * split <= 32 && 2 * split <= pr->NP &&
+           items * G * split < MSDA_FWD_DIRECT_MIN_LANES)
+        split *= 2;
+    return split;
+}
+
+#ifdef MSDA_EXPERIMENT
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+/* MSDA_X_FWD="staged" or "direct,V,SPLIT": an experiment build's override of the choice */
+static int forward_override(const msda_problem *pr, int G4, msda_forward_plan *plan) {
+    const char *x = getenv("MSDA_X_FWD");
+    int v = 0, split = 0;
+    if (!x || !*x || G4 == 0 || msda_needs_general(pr) || pr->S < 1) return 0;
+    if (x[0] == 's') return -1; /* the staged kernels, as the rule below without direct */
+    if (sscanf(x, "direct,%d,%d", &v, &split) != 2) return 0;
+    if (v == 8 && (!is_half(pr->dtype) || G4 < 2)) return 0;
+    const int G = v == 8 ? G4 / 2 : G4;
+    if (G * split > 32 || split > pr->NP) return 0;
+    plan->kernel = MSDA_FWD_ROUTE_DIRECT;
+    plan->vec = v;
+    plan->group = G;
+    plan->split = split;
+    plan->blocks = msda_grid_blocks(pr->B * pr->Q * pr->H, 256 / (G * split),
+                                    MSDA_MAX_GRID_BLOCKS);
+    return 1;
+}
+#endif
+
 void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan) {
     const int64_t items = pr->B * pr->Q * pr->H;
     const int G = aligned16 ? msda_fast_group(pr) : 0;
-    /* half types in encoders: 8 channels a thread, half the threads an item */
-    const int wide = is_half(pr->dtype) && G >= 2 && items >= MSDA_FWD_WIDE_MIN_ITEMS;
+    int direct = !msda_needs_general(pr) && G > 0 && pr->S >= 1 &&
+                 (pr->NP <= MSDA_FWD_DIRECT_MAX_POINTS || items * G < MSDA_FWD_DIRECT_LANES);
+#ifdef MSDA_EXPERIMENT
+    const int forced = pr->B * pr->Q == 0 ? 0 : forward_override(pr, G, plan);
+    if (forced > 0) { plan->options = 0; return; }
+    if (forced < 0) direct = 0;
+#endif
+    /* half types in encoders, and in the direct kernel: 8 channels a thread, half the threads
+     * an item */
+    const int wide = is_half(pr->dtype) && G >= 2 && (direct || items >= MSDA_FWD_WIDE_MIN_ITEMS);
     plan->options = msda_needs_general(pr);
+    plan->vec = wide ? 8 : 4;
     plan->group = wide ? G / 2 : G;
+    plan->split = 1;
     if (pr->B * pr->Q == 0) {
         plan->kernel = MSDA_FWD_ROUTE_NONE;
         plan->group = 0;
@@ -34,6 +81,11 @@ void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan 
     } else if (G == 0) { /* one warp an item, 8 a block */
         plan->kernel = MSDA_FWD_ROUTE_GENERIC;
         plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
+    } else if (direct) {
+        plan->kernel = MSDA_FWD_ROUTE_DIRECT;
+        plan->split = direct_split(pr, items, plan->group);
+        plan->blocks = msda_grid_blocks(items, 256 / (plan->group * plan->split),
+                                        MSDA_MAX_GRID_BLOCKS);
     } else {
         plan->kernel = wide ? MSDA_FWD_ROUTE_WIDE : MSDA_FWD_ROUTE_FAST;
         const int threads = wide ? MSDA_FWD_WIDE_THREADS : 256;
@@ -63,6 +115,64 @@ static int point_slices(const msda_problem *pr, unsigned int blocks, int multipr
     return slices < 1 ? 1 : (int)slices;
 }
 
+/* The lane groups of the direct backward for a plain decoder, or 0 where it does not serve:
+ * items of at most MSDA_BWD_DIRECT_FEW_POINTS points, and f32 or f16 problems of fewer than
+ * MSDA_BWD_DIRECT_LANES lanes (bf16 decoders keep their pipelined kernel, which is faster
+ * there: kernels/TUNING.md, backward d4); at most MSDA_BWD_DIRECT_MAX_POINTS points a lane. */
+static int direct_backward_split(const msda_problem *pr, int64_t items, int G) {
+    const int few = pr->NP <= MSDA_BWD_DIRECT_FEW_POINTS;
+    if (pr->S < 1 || !(few || (pr->dtype != MSDA_BF16 && items * G < MSDA_BWD_DIRECT_LANES)))
+        return 0;
+    int split = 1;
+    while (split < 4 && (pr->NP + split - 1) / split > MSDA_BWD_DIRECT_MAX_POINTS) split *= 2;
+    if ((pr->NP + split - 1) / split > MSDA_BWD_DIRECT_MAX_POINTS || G * split > 32) return 0;
+    while (split < 4 && 2 * split <= pr->NP && G * 2 * split <= 32 &&
+           items * G * split < MSDA_FWD_DIRECT_LANES)
+        split *= 2;
+    return split;
+}
+
+#ifdef MSDA_EXPERIMENT
+/* MSDA_X_BWD="point", "sliced", "pipelined", "aggregated" or "direct,SPLIT": an experiment
+ * build's override of the kernel (the modifiers as chosen) */
+static void backward_override(const msda_problem *pr, int G, int multiprocessors,
+                              msda_backward_plan *plan) {
+    const char *x = getenv("MSDA_X_BWD");
+    const int64_t items = pr->B * pr->Q * pr->H;
+    int split = 0;
+    if (!x || !*x || G == 0 || plan->kernel == MSDA_ROUTE_NONE || plan->options ||
+        plan->modifiers & MSDA_ROUTE_DETERMINISTIC)
+        return;
+    const msda_backward_plan chosen = *plan;
+    plan->group = G;
+    plan->split = 1;
+    plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
+    plan->slices = point_slices(pr, plan->blocks, multiprocessors);
+    if (!strcmp(x, "point")) plan->kernel = MSDA_ROUTE_POINT;
+    else if (!strcmp(x, "sliced")) plan->kernel = MSDA_ROUTE_POINT_SLICED;
+    else if (!strcmp(x, "aggregated") && G >= 4) {
+        plan->kernel = MSDA_ROUTE_AGGREGATED;
+        plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
+        plan->slices = point_slices(pr, plan->blocks, multiprocessors);
+    } else if (!strcmp(x, "pipelined") && pr->dtype == MSDA_F32 && G <= 16) {
+        plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
+        plan->blocks = msda_grid_blocks(items, 256 / (2 * G), MSDA_MAX_GRID_BLOCKS);
+        plan->slices = point_slices(pr, plan->blocks, multiprocessors);
+    } else if (!strcmp(x, "pipelined") && pr->dtype == MSDA_BF16) {
+        plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
+    } else if (sscanf(x, "direct,%d", &split) == 1 && G * split <= 32 && pr->S >= 1 &&
+               split <= pr->NP &&
+               (pr->NP + split - 1) / split <= MSDA_BWD_DIRECT_MAX_POINTS) {
+        plan->kernel = MSDA_ROUTE_DIRECT;
+        plan->split = split;
+        plan->slices = 1;
+        plan->blocks = msda_grid_blocks(items, 256 / (G * split), MSDA_MAX_GRID_BLOCKS);
+    } else {
+        *plan = chosen; /* not a form this problem has */
+    }
+}
+#endif
+
 void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocessors,
                         int sm90_code, msda_backward_plan *plan) {
     const int det = (pr->flags & MSDA_DETERMINISTIC) && pr->grad_value && pr->B * pr->Q > 0;
@@ -72,6 +182,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     plan->group = 0;
     plan->options = msda_needs_general(pr);
     plan->slices = 1;
+    plan->split = 1;
     plan->blocks = 1;
     if (pr->B * pr->Q == 0) {
         plan->kernel = MSDA_ROUTE_NONE;
@@ -85,13 +196,19 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         return;
     }
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
-     * value rows; decoders (a few hundred scattered queries) are slower there (kernels/TUNING.md,
-     * backward v53) */
-    const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
+     * value rows; decoders, whose queries scatter, are slower there, even with many queries a
+     * position (kernels/TUNING.md, backward v53; bev_sca) */
+    const int aggregates = pr->Q == pr->S && pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
     plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    if (G >= 4 && aggregates) {
+    const int split = direct_backward_split(pr, items, G);
+    if (!det && !plan->options && !aggregates && split > 0) {
+        plan->kernel = MSDA_ROUTE_DIRECT;
+        plan->split = split;
+        plan->slices = 1;
+        plan->blocks = msda_grid_blocks(items, 256 / (G * split), MSDA_MAX_GRID_BLOCKS);
+    } else if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
         /* two items a group of G threads */
         plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
@@ -111,4 +228,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     } else {
         plan->kernel = MSDA_ROUTE_POINT;
     }
+#ifdef MSDA_EXPERIMENT
+    backward_override(pr, G, multiprocessors, plan);
+#endif
 }

@@ -6,6 +6,7 @@
 
 #include "backward_agg.cuh"
 #include "backward_aux.cuh"
+#include "backward_direct.cuh"
 #include "backward_generic.cuh"
 #include "backward_point.cuh"
 
@@ -62,6 +63,37 @@ static cudaError_t launch_aggregated(const msda_problem *pr, const msda_backward
                             stream);
 }
 
+/* The direct kernel with SPLIT lane groups an item and room for `maxp` points a lane. */
+template <typename T, int G, int SPLIT>
+static cudaError_t launch_direct_points(const msda_problem *pr, dim3 grid, int maxp,
+                                        cudaStream_t stream, int64_t bytes) {
+    if constexpr (G * SPLIT <= 32) {
+        if (maxp <= 1)
+            return zero_then_launch(msda_backward_direct<T, G, DirectBackwardForm<SPLIT, 1>>,
+                                    grid, bytes, pr, stream);
+        if (maxp <= 2)
+            return zero_then_launch(msda_backward_direct<T, G, DirectBackwardForm<SPLIT, 2>>,
+                                    grid, bytes, pr, stream);
+        if (maxp <= 4)
+            return zero_then_launch(msda_backward_direct<T, G, DirectBackwardForm<SPLIT, 4>>,
+                                    grid, bytes, pr, stream);
+    }
+    return cudaErrorNotSupported;
+}
+
+template <typename T, int G>
+static cudaError_t launch_direct(const msda_problem *pr, const msda_backward_plan &plan,
+                                 cudaStream_t stream, int64_t bytes) {
+    const dim3 grid(plan.blocks);
+    const int maxp = (int)((pr->NP + plan.split - 1) / plan.split);
+    switch (plan.split) {
+    case 1: return launch_direct_points<T, G, 1>(pr, grid, maxp, stream, bytes);
+    case 2: return launch_direct_points<T, G, 2>(pr, grid, maxp, stream, bytes);
+    case 4: return launch_direct_points<T, G, 4>(pr, grid, maxp, stream, bytes);
+    default: return cudaErrorNotSupported;
+    }
+}
+
 /* The fast kernels of a plan (G = plan.group): one case per route. A route this instantiation
  * does not build (the plan and the if constexpr below disagree) is a library bug. */
 template <typename T, int G, bool DET>
@@ -95,6 +127,9 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan 
             msda_backward_fast<T, G, PerPointPipelined<4>><<<grid, 256, 0, stream>>>(*pr);
             return cudaSuccess;
         }
+        break;
+    case MSDA_ROUTE_DIRECT:
+        if constexpr (!DET) return launch_direct<T, G>(pr, plan, stream, bytes);
         break;
     case MSDA_ROUTE_POINT: {
         const cudaError_t e = memset_grad_value(pr, bytes, stream);

@@ -130,6 +130,65 @@ __global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
     }
 }
 
+/* The direct form (MSDA_FWD_ROUTE_DIRECT): R = G * SPLIT lanes an item, G = C / V lanes of V
+ * channels for each of SPLIT subsets of its points (lane s takes points s, s + SPLIT, ...).
+ * Every lane places its own points (stage_point, the staged kernels' geometry) and gathers
+ * their corners: no shared staging and no barrier but the level table's; the SPLIT partial
+ * sums of an item meet by shuffles. For few points an item (a chunk of the staged kernel would
+ * be mostly empty) and few items (more lanes an item fill the GPU). */
+template <int V_, int SPLIT_> struct DirectForm {
+    static constexpr int V = V_, SPLIT = SPLIT_, NT = 256;
+};
+
+template <typename T, int G, typename Form>
+__global__ void __launch_bounds__(Form::NT) msda_forward_direct(msda_problem pr) {
+    constexpr int V = Form::V, SPLIT = Form::SPLIT, R = G * SPLIT, IPB = Form::NT / R;
+    static_assert(V == 4 || V == 8, "4 or 8 channels a lane");
+    static_assert(R <= 32 && (R & (R - 1)) == 0, "an item's lanes: a power of two in one warp");
+    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
+    const int lane = threadIdx.x % R, g = lane % G, s = lane / G;
+    const T *value = (const T *)pr.value + g * V;
+    asm("" : "+l"(value)); /* one IMAD.WIDE.U32 a corner address, as in msda_forward_fast */
+    T *out = (T *)pr.output;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), NP = (int)pr.NP, C = (int)pr.C;
+    load_levels(pr, s_lvl);
+    __syncthreads();
+    for (unsigned ub = blockIdx.x * IPB; ub < (unsigned)n_items; ub += gridDim.x * IPB) {
+        const int mine = (int)ub + threadIdx.x / R;
+        /* lanes past the last item shadow it (their shuffles must run), and store nothing */
+        const int item = mine < n_items ? mine : n_items - 1;
+        const int2 it = make_int2(item_row<0>(pr, s_lvl, item, false), item_head_off(pr, item));
+        float acc[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] = 0.f;
+#pragma unroll 4
+        for (int p = s; p < NP; p += SPLIT) {
+            int4 o4;
+            float4 w4;
+            stage_point<T, true, false>(pr, s_lvl, it, p, o4, w4);
+            const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+            const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                if (o[c] < 0) continue;
+                float v[V];
+                if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
+                else load_vec(value + (unsigned)o[c], v);
+#pragma unroll
+                for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
+            }
+        }
+#pragma unroll
+        for (int d = G; d < R; d <<= 1)
+#pragma unroll
+            for (int j = 0; j < V; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], d);
+        if (mine < n_items && s == 0) {
+            if constexpr (V == 8) store_vec8(out + (int64_t)it.x * C + g * V, acc);
+            else store_vec(out + (int64_t)it.x * C + g * V, acc);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // launcher
 
@@ -147,6 +206,28 @@ static cudaError_t launch_form(const msda_problem *pr, const msda_forward_plan &
     return cudaSuccess;
 }
 
+template <typename T, int G, int V>
+static cudaError_t launch_direct(const msda_problem *pr, const msda_forward_plan &plan,
+                                 cudaStream_t stream) {
+    switch (plan.split) {
+    case 1: msda_forward_direct<T, G, DirectForm<V, 1>><<<plan.blocks, 256, 0, stream>>>(*pr); break;
+    case 2:
+        if constexpr (G <= 16) {
+            msda_forward_direct<T, G, DirectForm<V, 2>><<<plan.blocks, 256, 0, stream>>>(*pr);
+            break;
+        }
+        return cudaErrorNotSupported;
+    case 4:
+        if constexpr (G <= 8) {
+            msda_forward_direct<T, G, DirectForm<V, 4>><<<plan.blocks, 256, 0, stream>>>(*pr);
+            break;
+        }
+        return cudaErrorNotSupported;
+    default: return cudaErrorNotSupported;
+    }
+    return cudaSuccess;
+}
+
 /* The fast kernels of a plan (G = plan.group threads an item). A route this instantiation does
  * not build (the plan and the if constexpr below disagree) is a library bug. */
 template <typename T, int G>
@@ -160,6 +241,13 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_forward_plan &
         if constexpr (IsHalf<T>::value && G <= 16)
             return plan.options ? launch_form<T, G, WideWithOptions>(pr, plan, stream)
                                 : launch_form<T, G, Wide>(pr, plan, stream);
+        break;
+    case MSDA_FWD_ROUTE_DIRECT: /* plain problems; G = C / plan.vec lanes, times plan.split */
+        if (plan.vec == 8) {
+            if constexpr (IsHalf<T>::value) return launch_direct<T, G, 8>(pr, plan, stream);
+        } else {
+            return launch_direct<T, G, 4>(pr, plan, stream);
+        }
         break;
     default: break;
     }

@@ -35,10 +35,10 @@ INDEX_I64, INDEX_I32 = 0, 1
 FLAG_NEAREST, FLAG_DETERMINISTIC, FLAG_POINTS_F32 = 1, 4, 8  # (2, the fused softmax, is gone)
 # msda_route (c/msda.h): kernel values, then the modifier bits
 ROUTE_KERNELS = {0: "none", 1: "generic", 2: "point", 3: "point_sliced", 4: "point_pipelined",
-                 5: "aggregated"}
+                 5: "aggregated", 6: "direct"}
 ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
 # msda_fwd_route (c/msda.h)
-FWD_ROUTE_KERNELS = {0: "none", 1: "generic", 2: "fast", 3: "wide"}
+FWD_ROUTE_KERNELS = {0: "none", 1: "generic", 2: "fast", 3: "wide", 4: "direct"}
 
 # msda_args (c/msda.h), the one argument of the compute entry points: its fields in order with
 # their struct codes. ARGS is its layout (fixed-width fields, no padding, 64-bit pointers: 192
