@@ -33,40 +33,11 @@ static int direct_split(const msda_problem *pr, int64_t items, int G) {
     return split;
 }
 
-#ifdef MSDA_EXPERIMENT
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-/* MSDA_X_FWD="staged" or "direct,V,SPLIT": an experiment build's override of the choice */
-static int forward_override(const msda_problem *pr, int G4, msda_forward_plan *plan) {
-    const char *x = getenv("MSDA_X_FWD");
-    int v = 0, split = 0;
-    if (!x || !*x || G4 == 0 || msda_needs_general(pr) || pr->S < 1) return 0;
-    if (x[0] == 's') return -1; /* the staged kernels, as the rule below without direct */
-    if (sscanf(x, "direct,%d,%d", &v, &split) != 2) return 0;
-    if (v == 8 && (!is_half(pr->dtype) || G4 < 2)) return 0;
-    const int G = v == 8 ? G4 / 2 : G4;
-    if (G * split > 32 || split > pr->NP) return 0;
-    plan->kernel = MSDA_FWD_ROUTE_DIRECT;
-    plan->vec = v;
-    plan->group = G;
-    plan->split = split;
-    plan->blocks = msda_grid_blocks(pr->B * pr->Q * pr->H, 256 / (G * split),
-                                    MSDA_MAX_GRID_BLOCKS);
-    return 1;
-}
-#endif
-
 void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan) {
     const int64_t items = pr->B * pr->Q * pr->H;
     const int G = aligned16 ? msda_fast_group(pr) : 0;
-    int direct = !msda_needs_general(pr) && G > 0 && pr->S >= 1 &&
-                 (pr->NP <= MSDA_FWD_DIRECT_MAX_POINTS || items * G < MSDA_FWD_DIRECT_LANES);
-#ifdef MSDA_EXPERIMENT
-    const int forced = pr->B * pr->Q == 0 ? 0 : forward_override(pr, G, plan);
-    if (forced > 0) { plan->options = 0; return; }
-    if (forced < 0) direct = 0;
-#endif
+    const int direct = !msda_needs_general(pr) && G > 0 && pr->S >= 1 &&
+                       (pr->NP <= MSDA_FWD_DIRECT_MAX_POINTS || items * G < MSDA_FWD_DIRECT_LANES);
     /* half types in encoders, and in the direct kernel: 8 channels a thread, half the threads
      * an item */
     const int wide = is_half(pr->dtype) && G >= 2 && (direct || items >= MSDA_FWD_WIDE_MIN_ITEMS);
@@ -132,47 +103,6 @@ static int direct_backward_split(const msda_problem *pr, int64_t items, int G) {
     return split;
 }
 
-#ifdef MSDA_EXPERIMENT
-/* MSDA_X_BWD="point", "sliced", "pipelined", "aggregated" or "direct,SPLIT": an experiment
- * build's override of the kernel (the modifiers as chosen) */
-static void backward_override(const msda_problem *pr, int G, int multiprocessors,
-                              msda_backward_plan *plan) {
-    const char *x = getenv("MSDA_X_BWD");
-    const int64_t items = pr->B * pr->Q * pr->H;
-    int split = 0;
-    if (!x || !*x || G == 0 || plan->kernel == MSDA_ROUTE_NONE || plan->options ||
-        plan->modifiers & MSDA_ROUTE_DETERMINISTIC)
-        return;
-    const msda_backward_plan chosen = *plan;
-    plan->group = G;
-    plan->split = 1;
-    plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
-    plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    if (!strcmp(x, "point")) plan->kernel = MSDA_ROUTE_POINT;
-    else if (!strcmp(x, "sliced")) plan->kernel = MSDA_ROUTE_POINT_SLICED;
-    else if (!strcmp(x, "aggregated") && G >= 4) {
-        plan->kernel = MSDA_ROUTE_AGGREGATED;
-        plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
-        plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!strcmp(x, "pipelined") && pr->dtype == MSDA_F32 && G <= 16) {
-        plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
-        plan->blocks = msda_grid_blocks(items, 256 / (2 * G), MSDA_MAX_GRID_BLOCKS);
-        plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    } else if (!strcmp(x, "pipelined") && pr->dtype == MSDA_BF16) {
-        plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
-    } else if (sscanf(x, "direct,%d", &split) == 1 && G * split <= 32 && pr->S >= 1 &&
-               split <= pr->NP &&
-               (pr->NP + split - 1) / split <= MSDA_BWD_DIRECT_MAX_POINTS) {
-        plan->kernel = MSDA_ROUTE_DIRECT;
-        plan->split = split;
-        plan->slices = 1;
-        plan->blocks = msda_grid_blocks(items, 256 / (G * split), MSDA_MAX_GRID_BLOCKS);
-    } else {
-        *plan = chosen; /* not a form this problem has */
-    }
-}
-#endif
-
 void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocessors,
                         int sm90_code, msda_backward_plan *plan) {
     const int det = (pr->flags & MSDA_DETERMINISTIC) && pr->grad_value && pr->B * pr->Q > 0;
@@ -228,7 +158,4 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     } else {
         plan->kernel = MSDA_ROUTE_POINT;
     }
-#ifdef MSDA_EXPERIMENT
-    backward_override(pr, G, multiprocessors, plan);
-#endif
 }

@@ -1,14 +1,15 @@
 /* kernels/backward_direct.cuh: the direct per-point backward (MSDA_ROUTE_DIRECT; gradients:
- * c/msda.h), the backward form of the direct forward (kernels/forward.cu): plain problems whose
- * items have few points, few of them at a time.
+ * c/msda.h), the backward form of the direct forward (kernels/forward.cu): plain decoders of
+ * few points an item or few items (c/routes.c).
  * Thread map: R = G * SPLIT lanes an item, G = C / 4 lanes of 4 channels for each of SPLIT
  * subsets of its points (lane s takes points s, s + SPLIT, ..., at most MAXP of them). Every
  * lane places its own points (place_point: no shared staging, no barrier but the level
- * table's), in phases whose loads are in flight together (the locations and weights, then
- * every corner, branch-free as in the direct forward), reduces the point sums over its G
- * lanes, and the first of them writes the point's location and weight gradients. The scatter into grad_value comes
- * last, after grid_dep_wait: the kernel is zero_kernel's programmatic dependent, so everything
- * before it overlaps the zeroing. The corners' offsets and coefficients wait in registers.
+ * table's) in phases whose loads are in flight together: the locations and weights, then every
+ * corner (branch-free: a corner outside reads value's first row, zeroed by a select). It
+ * reduces the point sums over its G lanes, and the first of them writes the point's location
+ * and weight gradients. The scatter into grad_value comes last, after grid_dep_wait: the
+ * kernel is zero_kernel's programmatic dependent, so everything before it overlaps the
+ * zeroing. The corners' offsets and coefficients wait in registers. Needs S >= 1.
  * Numerics: f32 sums; grad_value as the per-point kernel adds it (vector atomics). */
 #pragma once
 
@@ -72,7 +73,8 @@ __global__ void __launch_bounds__(256) msda_backward_direct(msda_problem pr) {
             for (int k = 0; k < K; k++) {
                 const int o[4] = {o4[k].x, o4[k].y, o4[k].z, o4[k].w};
 #pragma unroll
-                for (int c = 0; c < 4; c++) load_vec(value + (o[c] < 0 ? 0u : (unsigned)o[c]), v[k][c]);
+                for (int c = 0; c < 4; c++)
+                    load_vec(value + (o[c] < 0 ? 0u : (unsigned)o[c]), v[k][c]);
 #pragma unroll
                 for (int c = 0; c < 4; c++)
 #pragma unroll

@@ -3,12 +3,13 @@
  * kernels/staging.cuh with the corner weights premultiplied by A; a group of G threads an item,
  * 4 channels a thread (16-byte f32 loads), or 8 in half types from 65536 items on (one 16-byte
  * load a corner, 128-thread blocks); the point loop unrolled 8 times; corner slots ordered by
- * pixel parity so neighbouring queries ask for shared pixels in the same load. Generic kernel
- * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets. c/routes.c chooses
- * (msda_plan_forward); the launcher switches on its plan.
+ * pixel parity so neighbouring queries ask for shared pixels in the same load. Direct kernel
+ * (plain problems of at most 4 points an item, or of few items): no staging, each lane places
+ * its own points, an item's points split over up to 4 lane groups whose sums meet by shuffles.
+ * Generic kernel (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets.
+ * c/routes.c chooses (msda_plan_forward); the launcher switches on its plan.
  * Numerics: f32 accumulation (f64 for f64), one rounding to the output type.
- * H100 (BENCHMARKS.md): ddetr_enc f32 / bf16 / f16 0.166 / 0.119 / 0.118 ms, dino_dec900 0.020 /
- * 0.015 / 0.015, m2f_enc 0.150 / 0.113 / 0.110; why this form: kernels/TUNING.md. */
+ * Timings: BENCHMARKS.md; why these forms: kernels/TUNING.md (forward v21, d1). */
 #include "staging.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -210,7 +211,9 @@ template <typename T, int G, int V>
 static cudaError_t launch_direct(const msda_problem *pr, const msda_forward_plan &plan,
                                  cudaStream_t stream) {
     switch (plan.split) {
-    case 1: msda_forward_direct<T, G, DirectForm<V, 1>><<<plan.blocks, 256, 0, stream>>>(*pr); break;
+    case 1:
+        msda_forward_direct<T, G, DirectForm<V, 1>><<<plan.blocks, 256, 0, stream>>>(*pr);
+        break;
     case 2:
         if constexpr (G <= 16) {
             msda_forward_direct<T, G, DirectForm<V, 2>><<<plan.blocks, 256, 0, stream>>>(*pr);
