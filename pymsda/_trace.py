@@ -243,8 +243,13 @@ def _onnxruntime_node(value, spatial_shapes, level_start_index, sampling_locatio
         out = symbolic(f"{ONNXRUNTIME_DOMAIN}::{ONNXRUNTIME_OP}", inputs, attributes,
                        dtype=dtype, shape=(B, Q, value.shape[2] * value.shape[3]), version=1)
     else:
-        out = _OnnxRuntimeNode.apply(*inputs, attributes["sampling"], num_points_list)
+        out = _OnnxRuntimeNode.apply(*inputs, attributes["sampling"], num_points_list,
+                                     _ONNX_TYPES[dtype], _ONNX_TYPES[point_dtype])
     return _as(out, value.dtype)
+
+
+# ONNX TensorProto data types of the node's inputs
+_ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.int64: 7}
 
 
 def _levels(spatial_shapes):
@@ -257,14 +262,20 @@ class _OnnxRuntimeNode(torch.autograd.Function):
     traces) it computes the same numbers with the decomposition."""
 
     @staticmethod
-    def forward(ctx, value, shapes, starts, loc, attn, sampling, counts):
+    def forward(ctx, value, shapes, starts, loc, attn, sampling, counts, value_type, point_type):
         return decompose(value, shapes, starts, loc, attn, counts, nearest=sampling == "nearest")
 
     @staticmethod
-    def symbolic(g, value, shapes, starts, loc, attn, sampling, counts):
+    def symbolic(g, value, shapes, starts, loc, attn, sampling, counts, value_type, point_type):
         attributes = {"sampling_s": sampling}
         if counts is not None:
             attributes["num_points_list_i"] = counts
+        # each input cast to the type decided above: the TorchScript exporter's graph may carry
+        # another than the traced tensor had (float64 reference points, seen in transformers'
+        # Deformable DETR), and the node checks its types when it runs
+        value, loc, attn = (g.op("Cast", t, to_i=code) for t, code in
+                            ((value, value_type), (loc, point_type), (attn, point_type)))
+        shapes, starts = (g.op("Cast", t, to_i=_ONNX_TYPES[torch.int64]) for t in (shapes, starts))
         node = g.op(f"{ONNXRUNTIME_DOMAIN}::{ONNXRUNTIME_OP}", value, shapes, starts, loc, attn,
                     **attributes)
         sizes = value.type().varyingSizes()
