@@ -170,6 +170,18 @@ def _tensorrt_node(value, spatial_shapes, level_start_index, sampling_locations,
     return _as(out, value.dtype)
 
 
+def _onnx_symbolic(what):
+    """torch.onnx.ops.symbolic, with which torch.onnx.export(dynamo=True) records a node of
+    another domain, or an error saying what cannot be written without it."""
+    symbolic = getattr(getattr(torch.onnx, "ops", None), "symbolic", None)
+    if symbolic is None:
+        raise RuntimeError(
+            f"pymsda: torch {torch.__version__} has no torch.onnx.ops.symbolic, which "
+            f"torch.onnx.export(dynamo=True) needs to write {what}; export with dynamo=False, "
+            "or use torch >= 2.8")
+    return symbolic
+
+
 def _as(t, dtype):
     """t in dtype, recording no Cast where it has it already."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -180,13 +192,7 @@ def _plugin(value, shapes, starts, loc, attn, version, dynamo):
     B, Q, H, C = value.shape[0], loc.shape[1], value.shape[2], value.shape[3]
     if not dynamo:
         return _TensorRTNode.apply(value, shapes, starts, loc, attn, version)
-    symbolic = getattr(getattr(torch.onnx, "ops", None), "symbolic", None)
-    if symbolic is None:
-        raise RuntimeError(
-            f"pymsda: torch {torch.__version__} has no torch.onnx.ops.symbolic, which "
-            "torch.onnx.export(dynamo=True) needs to write TensorRT's plugin node; export with "
-            "dynamo=False, or use torch >= 2.8")
-    node = symbolic(f"{_TENSORRT_DOMAIN}::{TENSORRT_PLUGIN}", (value, shapes, starts, loc, attn),
+    node = _onnx_symbolic("TensorRT's plugin node")(f"{_TENSORRT_DOMAIN}::{TENSORRT_PLUGIN}", (value, shapes, starts, loc, attn),
                     {"plugin_version": version, "plugin_namespace": ""}, dtype=value.dtype,
                     shape=(B, Q, H, C), version=1)
     return node.reshape(B, Q, H * C)
@@ -233,14 +239,8 @@ def _onnxruntime_node(value, spatial_shapes, level_start_index, sampling_locatio
     inputs = (_as(value, dtype), shapes, starts, _as(sampling_locations, point_dtype),
               _as(attention_weights, point_dtype))
     if dynamo:
-        symbolic = getattr(getattr(torch.onnx, "ops", None), "symbolic", None)
-        if symbolic is None:
-            raise RuntimeError(
-                f"pymsda: torch {torch.__version__} has no torch.onnx.ops.symbolic, which "
-                "torch.onnx.export(dynamo=True) needs to write the ONNX Runtime node; export "
-                "with dynamo=False, or use torch >= 2.8")
         B, Q = value.shape[0], sampling_locations.shape[1]
-        out = symbolic(f"{ONNXRUNTIME_DOMAIN}::{ONNXRUNTIME_OP}", inputs, attributes,
+        out = _onnx_symbolic("the ONNX Runtime node")(f"{ONNXRUNTIME_DOMAIN}::{ONNXRUNTIME_OP}", inputs, attributes,
                        dtype=dtype, shape=(B, Q, value.shape[2] * value.shape[3]), version=1)
     else:
         out = _OnnxRuntimeNode.apply(*inputs, attributes["sampling"], num_points_list,

@@ -77,3 +77,22 @@ def session(model_bytes, library, threads=2):
     options.intra_op_num_threads = threads
     options.register_custom_ops_library(library)
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+class Checks:
+    """The PASS / FAIL lines of a check script run outside pytest (tests/onnxruntime_deployment.py,
+    tests/ort_cuda_check.py), then its closing counts."""
+
+    def __init__(self):
+        self.results = []
+
+    def __call__(self, name, condition, detail=""):
+        self.results.append(bool(condition))
+        print(("PASS " if condition else "FAIL ") + name + (f": {detail}" if detail else ""),
+              flush=True)
+
+    def summary(self):
+        """Prints 'N passed, N failed'; the exit status (1 on any failure)."""
+        passed = sum(self.results)
+        print(f"{passed} passed, {len(self.results) - passed} failed")
+        return 0 if self.results and all(self.results) else 1

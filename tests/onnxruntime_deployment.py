@@ -16,17 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
-from onnx_node import oracle_of, random_inputs, rel_l2, session  # noqa: E402
+from onnx_node import Checks, oracle_of, random_inputs, rel_l2, session  # noqa: E402
 
 SHAPES, OTHER = [(5, 7), (3, 4), (1, 1), (2, 6)], [(9, 4), (2, 3), (4, 4), (1, 5)]
 COUNTS = [2, 0, 3, 1]
-results = []
-
-
-def check(name, condition, detail=""):
-    results.append(bool(condition))
-    print(("PASS " if condition else "FAIL ") + name + (f": {detail}" if detail else ""),
-          flush=True)
+check = Checks()
 
 
 def main(model_dir):
@@ -66,8 +60,7 @@ def main(model_dir):
     except Exception as error:  # onnxruntime's own exception types
         check("a NaN location raises", "input 3 (sampling_locations)" in str(error),
               str(error).splitlines()[-1])
-    print(f"{sum(results)} passed, {len(results) - sum(results)} failed")
-    return 0 if all(results) else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -25,17 +25,11 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 import pymsda  # noqa: E402
-from onnx_node import node_model, oracle_of, random_inputs, rel_l2  # noqa: E402
+from onnx_node import Checks, node_model, oracle_of, random_inputs, rel_l2  # noqa: E402
 
 SHAPES, OTHER = [(5, 7), (3, 4), (1, 1), (2, 6)], [(40, 60), (20, 30), (10, 15), (5, 8)]
 COUNTS = [2, 0, 3, 1]
-results = []
-
-
-def check(name, condition, detail=""):
-    results.append(bool(condition))
-    print(("PASS " if condition else "FAIL ") + name + (f": {detail}" if detail else ""),
-          flush=True)
+check = Checks()
 
 
 def cuda_session(model, profile_dir):
@@ -94,8 +88,7 @@ def main():
     ready = ("CUDAExecutionProvider" in ort.get_available_providers() and pymsda.has_cuda())
     check("onnxruntime has the CUDA provider and pymsda's library CUDA kernels", ready)
     if not ready:
-        print(f"{sum(results)} passed, {len(results) - sum(results)} failed")
-        return 1
+        return check.summary()
     print(f"GPU: {torch.cuda.get_device_name(0)}")
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as profiles:
@@ -127,8 +120,7 @@ def main():
                   "input 4 (attention_weights)" in str(error), str(error).splitlines()[-1])
         for leftover in glob.glob(os.path.join(profiles, "*")):
             os.remove(leftover)
-    print(f"{sum(results)} passed, {len(results) - sum(results)} failed")
-    return 0 if all(results) else 1
+    return check.summary()
 
 
 if __name__ == "__main__":
