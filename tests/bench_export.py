@@ -83,8 +83,8 @@ def operator_table(args):
     with open(os.path.join(os.path.dirname(pymsda.__file__), "bench", "shapes.json")) as f:
         shapes = json.load(f)["cpu"]
     print("| shape | reference graph (GridSample) | `method=\"grid_sample\"` | default (`Gather`) "
-          "| pymsda node | eager pymsda | node vs `Gather` |")
-    print("|---|---|---|---|---|---|---|")
+          "| pymsda node | node alone | eager pymsda | node vs `Gather` |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, shape in shapes.items():
         levels = [tuple(level) for level in shape["levels"]]
         S = sum(h * w for h, w in levels)
@@ -104,15 +104,20 @@ def operator_table(args):
             errors[form] = np.linalg.norm(out - expected) / np.linalg.norm(expected)
             runs[form] = (lambda s: lambda: s.run(None, feeds))(sess)
         times = interleaved(runs, args.reps)
-        # eager pymsda apart: interleaved with sessions its OpenMP team would share the two
-        # cores with ONNX Runtime's workers, which spin for a while after each run
+        # the node alone (no other session's workers spinning beside it), then eager pymsda
+        # alone: interleaved with sessions, its OpenMP team would share the cores with ONNX
+        # Runtime's workers, which spin for a while after each run
+        node = runs["node"]
         del runs, sess
+        time.sleep(0.5)
+        times["node alone"] = interleaved({"node": node}, args.reps)["node"]
+        del node
         time.sleep(0.5)
         eager = lambda: pymsda.ms_deform_attn(value, levels, None, loc, attn)  # noqa: E731
         eager()
         times.update(interleaved({"eager": eager}, args.reps))
         cells = []
-        for form in FORMS + ["eager"]:
+        for form in FORMS + ["node alone", "eager"]:
             median, low, high = stats(times[form])
             error = f", err {errors[form]:.0e}" if form in errors else ""
             cells.append(f"{median:.2f} ms [{low:.2f}-{high:.2f}{error}]")
