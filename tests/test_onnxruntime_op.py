@@ -13,6 +13,7 @@ torch.onnx.export records for it inside pymsda.export.onnx_options(onnxruntime=T
   pymsda and the oracle.
 The deployment without torch and the other end of the onnxruntime range:
 tests/test_onnxruntime_deployment.py; real models: tests/test_onnxruntime_models.py."""
+import inspect
 import io
 import warnings
 
@@ -198,6 +199,11 @@ EXPORTERS = [pytest.param(False, id="torchscript"),
                  HAS_DYNAMO_NODE, "torch.onnx.ops.symbolic (torch.onnx.export(dynamo=True))"))]
 
 
+# the TorchScript exporter: dynamo=False, or no keyword on a torch whose export has none (1.13)
+TORCHSCRIPT = ({"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters
+               else {})
+
+
 class Call(torch.nn.Module):
     def __init__(self, tables="list", **options):
         super().__init__()
@@ -221,7 +227,7 @@ def export(module, args, dynamo, tables="list"):
                               dynamic_shapes=dims + ((None,) if tables == "input" else ()))
         else:
             axes = {"value": [0, 1], "loc": [0, 1], "attn": [0, 1]}
-            torch.onnx.export(module, args, f, dynamo=False, opset_version=17,
+            torch.onnx.export(module, args, f, **TORCHSCRIPT, opset_version=17,
                               input_names=names, dynamic_axes=axes)
     model = onnx.load_from_string(f.getvalue())
     onnx.checker.check_model(model)
