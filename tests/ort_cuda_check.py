@@ -6,6 +6,12 @@ run from anywhere:
 
     python tests/ort_cuda_check.py            # PASS/FAIL lines, then "N passed, N failed"
 
+Without the onnx package on the GPU machine: write the models where onnx is installed, bring the
+folder, and read them there:
+
+    python tests/ort_cuda_check.py --write-models DIR     # (no GPU needed) then, on the GPU:
+    python tests/ort_cuda_check.py --models DIR
+
 One session per case on providers [CUDAExecutionProvider, CPUExecutionProvider], with ONNX
 Runtime's profiler on: each check first asserts the MSDeformAttn node ran on the CUDA provider
 (not a fallback to the CPU), then compares its output with the float64 oracle (tests/oracle.py)
@@ -30,6 +36,28 @@ from onnx_node import Checks, node_model, oracle_of, random_inputs, rel_l2  # no
 SHAPES, OTHER = [(5, 7), (3, 4), (1, 1), (2, 6)], [(40, 60), (20, 30), (10, 15), (5, 8)]
 COUNTS = [2, 0, 3, 1]
 check = Checks()
+
+
+MODELS = {"node": {}, "int32": {"index_type": np.int32},
+          "points_nearest": {"num_points_list": COUNTS, "sampling": "nearest"},
+          "half": {"value_type": np.float16},
+          "half_f32_points": {"value_type": np.float16, "point_type": np.float32}}
+model_dir = None  # --models: read the models from there instead of writing them with onnx
+
+
+class ModelFile:
+    """A model read from --models, with the SerializeToString a session is made from."""
+
+    def __init__(self, name):
+        with open(os.path.join(model_dir, name + ".onnx"), "rb") as f:
+            self.data = f.read()
+
+    def SerializeToString(self):
+        return self.data
+
+
+def model(name):
+    return ModelFile(name) if model_dir else node_model(**MODELS[name])
 
 
 def cuda_session(model, profile_dir):
@@ -92,24 +120,23 @@ def main():
     print(f"GPU: {torch.cuda.get_device_name(0)}")
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as profiles:
-        run_case("float32", node_model(),
+        run_case("float32", model("node"),
                  [random_inputs(rng, 2, 300, SHAPES, heads=8, channels=32, points=4),
                   random_inputs(rng, 3, 900, OTHER, heads=8, channels=32, points=4)], profiles)
-        run_case("float32 int32 tables", node_model(index_type=np.int32),
+        run_case("float32 int32 tables", model("int32"),
                  [random_inputs(rng, 2, 50, SHAPES, index_type=np.int32)], profiles)
-        run_case("num_points_list, nearest",
-                 node_model(num_points_list=COUNTS, sampling="nearest"),
+        run_case("num_points_list, nearest", model("points_nearest"),
                  [random_inputs(rng, 2, 40, SHAPES, counts=COUNTS)], profiles, COUNTS, True)
-        run_case("float16", node_model(np.float16),
+        run_case("float16", model("half"),
                  [random_inputs(rng, 2, 300, SHAPES, heads=8, channels=32, points=4,
                                 value_type=np.float16),
                   random_inputs(rng, 1, 500, OTHER, heads=8, channels=32, points=4,
                                 value_type=np.float16)], profiles, half=True)
-        run_case("float16 value, float32 points", node_model(np.float16, np.float32),
+        run_case("float16 value, float32 points", model("half_f32_points"),
                  [random_inputs(rng, 2, 300, SHAPES, heads=8, channels=32, points=4,
                                 value_type=np.float16, point_type=np.float32)],
                  profiles, half=True)
-        sess = cuda_session(node_model(), profiles)
+        sess = cuda_session(model("node"), profiles)
         feed = random_inputs(rng, 2, 9, SHAPES)
         feed["attention_weights"] = feed["attention_weights"][..., :2]
         try:
@@ -124,4 +151,13 @@ def main():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--write-models"]:
+        os.makedirs(sys.argv[2], exist_ok=True)
+        for name, options in MODELS.items():
+            with open(os.path.join(sys.argv[2], name + ".onnx"), "wb") as f:
+                f.write(node_model(**options).SerializeToString())
+        print(f"wrote {len(MODELS)} models to {sys.argv[2]}")
+        sys.exit(0)
+    if sys.argv[1:2] == ["--models"]:
+        model_dir = sys.argv[2]
     sys.exit(main())
