@@ -113,6 +113,9 @@ def main():
     print(f"onnxruntime {ort.__version__} ({', '.join(ort.get_available_providers())}); torch "
           f"{torch.__version__}; pymsda library {pymsda.library_path()}, CUDA archs "
           f"{' '.join(pymsda.cuda_archs()) or 'none'}")
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21: CUDA, cuDNN from pip
+    if preload is not None:
+        preload()
     ready = ("CUDAExecutionProvider" in ort.get_available_providers() and pymsda.has_cuda())
     check("onnxruntime has the CUDA provider and pymsda's library CUDA kernels", ready)
     if not ready:
