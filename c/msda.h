@@ -124,6 +124,11 @@ MSDA_API int msda_cuda_runs_on(int device);
 MSDA_API const char *msda_cuda_archs(void);
 /* The CUDA toolkit version the kernels were built with as 1000*major + 10*minor, 0 if none. */
 MSDA_API int msda_cuda_version(void);
+/* The OpenMP runtime the CPU kernels run their threads on: the file of the one already in the
+ * process (torch's), else of the system's libgomp.so.1; "" when none could be found, and the
+ * kernels then run on the calling thread. Chosen once, at the first call that needs threads
+ * (this query makes that choice if no call has). */
+MSDA_API const char *msda_openmp_runtime(void);
 
 /* ---- errors ------------------------------------------------------------------------------- */
 

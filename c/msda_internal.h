@@ -3,6 +3,7 @@
 #ifndef MSDA_INTERNAL_H
 #define MSDA_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "msda.h"
@@ -10,6 +11,16 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* A thread pool other than OpenMP's that runs a CPU forward's workers (ONNX Runtime's intra-op
+ * pool, c/ort_op.c): run(pool, fn, arg, n) calls fn(arg, i) once for each i < n, as many at a
+ * time as the pool has threads, and returns when all are done: MSDA_OK, or a status with the
+ * error text set. */
+typedef struct {
+    int (*run)(void *pool, void (*fn)(void *arg, size_t i), void *arg, size_t n);
+    void *pool;
+    int threads; /* the workers a call is split into */
+} msda_thread_pool;
 
 /* One call's arguments after the entry point has checked them. Sizes are >= 1 except B and Q,
  * which are >= 1 too by the time a kernel sees them (empty problems return early).
@@ -29,6 +40,7 @@ typedef struct {
     int index_dtype; /* msda_index_dtype */
     int device;      /* -1 CPU, else CUDA ordinal */
     int num_threads; /* CPU only; <= 0: OpenMP default */
+    const msda_thread_pool *pool; /* CPU forward only: run on this pool instead of OpenMP */
     const void *value;
     const void *spatial_shapes;
     const void *level_start_index;
@@ -50,6 +62,14 @@ int msda_set_error(int status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
+
+/* msda_forward on the CPU with its workers on `pool` (NULL: OpenMP's threads), for callers
+ * inside the library that bring their own pool (c/ort_op.c). */
+int msda_forward_pooled(const msda_args *args, const msda_thread_pool *pool);
+
+/* 1 when the CPU kernels have an OpenMP runtime to run threads on (c/omp_runtime.c; asked at
+ * the first parallel call), 0 when they run on the calling thread only. */
+int msda_openmp_available(void);
 
 /* Bytes of one element of `dtype` (0 for an unknown code). */
 int64_t msda_dtype_size(int dtype);
