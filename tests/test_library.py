@@ -184,23 +184,30 @@ def _nvcc_archs_of_this_build():
     return sorted(int(n) for n in re.findall(r"^compute_(\d+)$", listed, re.M) if int(n) >= 75)
 
 
-def test_default_build_embeds_the_makefiles_default_list():
-    # `make` embeds machine code for the Makefile's DEFAULT_ARCHS that this nvcc knows and PTX
-    # of DEFAULT_PTX, which every newer GPU compiles at first use; `make CUDA_ARCHS=all`
-    # embeds every architecture from sm_75 and PTX of the newest.
+def test_embedded_architectures_follow_the_makefiles_rules():
+    # The default list (CUDA_ARCHS=default, MSDA_CUDA=1 or a CUDA torch without a GPU) embeds
+    # machine code for the Makefile's DEFAULT_ARCHS that this nvcc knows and PTX of DEFAULT_PTX,
+    # which every newer GPU compiles at first use. Any other list (the GPUs a plain `make` saw,
+    # CUDA_ARCHS=90, CUDA_ARCHS=all) embeds PTX of its newest architecture.
     archs = pymsda.cuda_archs()
     if not archs:
         pytest.skip("CPU-only build")
     default, ptx = _makefile_defaults()
     sm = sorted(int(a[3:]) for a in archs if re.fullmatch(r"sm_\d+", a))
     known = _nvcc_archs_of_this_build()
-    expected = [a for a in default if known is None or a in known]
-    if sm == expected and sm != known:
-        assert [a for a in archs if a.startswith("compute_")] == [f"compute_{ptx}"]
-    elif known is not None and sm == known:  # CUDA_ARCHS=all
-        assert [a for a in archs if a.startswith("compute_")] == [f"compute_{max(sm)}"]
+    embedded_ptx = [int(a[8:]) for a in archs if a.startswith("compute_")]
+    if sm == [a for a in default if known is None or a in known]:
+        assert embedded_ptx == [ptx], archs
     else:
-        pytest.skip(f"neither the default list nor CUDA_ARCHS=all: {' '.join(archs)}")
+        assert embedded_ptx == [max(sm)], archs
+    # A make build folder's choice.mk names what its library embeds (`make info` reads it).
+    folder = pathlib.Path(pymsda.library_path()).resolve().parent
+    choice = next((f / "choice.mk" for f in (folder, folder.parent)
+                   if (f / "choice.mk").is_file() and (f / "config").is_file()), None)
+    if choice is not None:
+        remembered = dict(re.findall(r"^REMEMBERED_(\w+) := *(.*?) *$", choice.read_text(), re.M))
+        assert [int(a) for a in remembered["CUDA_ARCHS"].split()] == sm, (choice, remembered)
+        assert [int(remembered["CUDA_PTX"])] == embedded_ptx
 
 
 def test_default_list_covers_every_gpu_from_sm_75():
