@@ -199,7 +199,7 @@ def test_cli_bench_rejects_an_unknown_shape(tmp_path):
 
 
 def test_plot_writes_a_png(result, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (bench --plot): pip install matplotlib")
     path = tmp_path / "speedups.png"
     report.plot(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,7 @@ TINY = dict(device="cpu", size="tiny", rounds=1, steps=1, warmup=1, progress=Fal
 
 @pytest.fixture(autouse=True)
 def needs_transformers():
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs transformers (tests/requirements-clients.txt)")
 
 
 def test_models_command_on_cpu_reports_every_variant_and_counts_library_calls(tmp_path):
