@@ -19,6 +19,7 @@ import torch
 
 from clients import library_calls  # noqa: F401  (a fixture)
 from clients import DTYPES, assert_same_step, client, compare_switched, square_mean, train_step
+from conftest import expects_torchscript_deprecation
 from factories import rel_l2
 
 # ---- transformers ---------------------------------------------------------------------------
@@ -131,6 +132,7 @@ def test_transformers_mask2former_trains_the_same_after_install(library_calls, d
             "multi_scale_deformable_attention") in switched
 
 
+@expects_torchscript_deprecation
 def test_transformers_install_routes_tracing_to_transformers_code(library_calls):
     """While torch.jit.trace records, the switched function runs transformers' own code."""
     client("transformers")

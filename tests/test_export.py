@@ -14,7 +14,7 @@ import torch
 import pymsda
 from pymsda import export
 from pymsda._decompose import decompose
-from conftest import NEEDS_ONNX, requires_torch_feature
+from conftest import NEEDS_ONNX, expects_torchscript_deprecation, requires_torch_feature
 from factories import (flat_size, level_start_index_of, make_inputs, make_point_inputs,
                        oracle_forward, oracle_forward_general, rel_l2)
 
@@ -182,6 +182,7 @@ def test_jit_trace_of_the_op_differentiates(generator):
         assert rel_l2(grad, want) < 1e-12
 
 
+@expects_torchscript_deprecation
 def test_jit_script_of_a_function_calling_the_op_records_the_op(generator):
     def f(value, loc, attn):
         return pymsda.ms_deform_attn(value, [(5, 7), (3, 4), (1, 1), (2, 6)], None, loc, attn)
