@@ -4,6 +4,7 @@ dynamic dependencies, the ABI version of c/msda.h, and capability queries that a
 Also the portability promises: the GPU architectures the build embeds (checked with cuobjdump),
 what `python -m pymsda` says about a GPU they do not cover, and the py3-none wheel.
 """
+import ast
 import ctypes
 import glob
 import os
@@ -276,6 +277,21 @@ def test_python_m_pymsda_info_lists_the_embedded_architectures():
         assert "embedded: " + " ".join(pymsda.cuda_archs()) in done.stdout
     else:
         assert "CUDA kernels:   no (CPU-only build)" in done.stdout
+
+
+def test_python_m_pymsda_help_explains_each_command_and_imports_no_torch_for_it():
+    done = subprocess.run([sys.executable, "-m", "pymsda", "--help"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    for command in ("[check]", "info", "bench"):
+        assert f"python -m pymsda {command} " in done.stdout
+    assert "float64" in done.stdout and "exit" in done.stdout  # what the self-check compares
+    # torch is imported by the commands that use it (pymsda/__init__.py imports it today)
+    tree = ast.parse((REPO / "pymsda" / "__main__.py").read_text())
+    top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = [a.name for node in top for a in node.names] + [node.module or "" for node in top
+                                                              if isinstance(node, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] in ("torch", "ops", "reference")], names
 
 
 def test_python_m_pymsda_says_which_package_and_library_and_why(monkeypatch):
