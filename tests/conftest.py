@@ -52,7 +52,7 @@ def pytest_terminal_summary(terminalreporter):
     reasons = collections.Counter(_skip_reason(report) for report in skipped)
     if not reasons:
         return
-    width = max(100, shutil.get_terminal_size().columns) - 8
+    width = max(120, shutil.get_terminal_size().columns) - 8
     terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason (pytest -rs: where)")
     for reason, count in reasons.most_common():
         line = reason if len(reason) <= width else reason[:width - 3] + "..."
@@ -67,12 +67,13 @@ def _skip_reason(report):
     return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
 
 
-# TorchScript is deprecated: torch.jit.script and torch.jit.trace (and torch's own modules that
+# TorchScript is deprecated: torch.jit.script, trace, save and load (and torch's own modules that
 # script functions when imported) warn DeprecationWarning on the torches of this suite, e.g. 2.13
 # and 2.14 (docs/export.md says so to users). Tests that script or trace on purpose, or import
 # such a torch module, expect it; any other warning, and these anywhere else, still show.
 expects_torchscript_deprecation = pytest.mark.filterwarnings(
-    r"ignore:`torch\.jit\.(script|script_method|trace|interface)` is deprecated:DeprecationWarning")
+    r"ignore:`torch\.jit\.(script|script_method|trace|interface|save|load)` is deprecated"
+    ":DeprecationWarning")
 
 NEEDS_ONNX = 'needs onnx and onnxruntime (the ONNX tests): pip install ".[onnx]"'
 
