@@ -175,7 +175,7 @@ endif
 TORCH_VERSION := $(word 1,$(TORCH_BUILD))
 TORCH_CUDA    := $(word 2,$(TORCH_BUILD))
 ifneq ($(restore),)
-CUDA_WHY := remembered in $(BUILD)/choice.mk; naming MSDA_CUDA or CUDA_ARCHS, or make clean, chooses anew
+CUDA_WHY := $(if $(filter 1,$(MSDA_CUDA)),,MSDA_CUDA=0 )remembered in $(BUILD)/choice.mk; naming MSDA_CUDA or CUDA_ARCHS, or make clean, chooses anew
 else ifneq ($(NVCC_MISSING),)
 CUDA_WHY := nvcc not found: make info says how to get it
 else ifneq ($(MACHINE_CPU_ONLY),)

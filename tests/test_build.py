@@ -212,7 +212,7 @@ def test_an_explicit_msda_cuda_0_is_remembered(tmp_path):
     run_make(tmp_path, str(tmp_path / "b" / "config"), "MSDA_CUDA=0", site=site)
     assert "REMEMBERED_MSDA_CUDA := 0" in (tmp_path / "b" / "choice.mk").read_text()
     info = run_make(tmp_path, "info", fake_gpus(tmp_path, "9.0"), site=site)
-    assert "CUDA kernels:  no (remembered in" in info
+    assert "CUDA kernels:  no (MSDA_CUDA=0 remembered in" in info
 
 
 @needs_make

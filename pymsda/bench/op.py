@@ -283,8 +283,8 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             del input_sets
             rows += group
     if cpu_jobs:
-        log(f"timing {len(cpu_jobs)} rows interleaved: {reps} rounds and {seconds:g} s at least, "
-            f"the rows printed when all are done")
+        log(f"timing {len(cpu_jobs)} row{'s' * (len(cpu_jobs) != 1)} interleaved: {reps} rounds "
+            f"and {seconds:g} s at least, the rows printed when all are done")
         cpu_timing = timing.time_rows(
             cpu_jobs, reps, warmup, pass_calls, _pymsda_deterministic if deterministic else _pymsda,
             ms_deform_attn_pytorch if reference else None, seconds,
