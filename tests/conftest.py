@@ -68,12 +68,11 @@ def _skip_reason(report):
 
 
 # TorchScript is deprecated: torch.jit.script, trace, save and load (and torch's own modules that
-# script functions when imported) warn DeprecationWarning on the torches of this suite, e.g. 2.13
-# and 2.14 (docs/export.md says so to users). Tests that script or trace on purpose, or import
-# such a torch module, expect it; any other warning, and these anywhere else, still show.
+# script functions when imported) warn, DeprecationWarning on torch 2.13 and FutureWarning on 2.14
+# (docs/export.md says so to users). Tests that script or trace on purpose, or import such a torch
+# module, expect it; any other warning, and these anywhere else, still show.
 expects_torchscript_deprecation = pytest.mark.filterwarnings(
-    r"ignore:`torch\.jit\.(script|script_method|trace|interface|save|load)` is deprecated"
-    ":DeprecationWarning")
+    r"ignore:`torch\.jit\.(script|script_method|trace|interface|save|load)` is deprecated:Warning")
 
 NEEDS_ONNX = 'needs onnx and onnxruntime (the ONNX tests): pip install ".[onnx]"'
 

@@ -22,6 +22,10 @@ from clients import DTYPES, assert_same_step, client, compare_switched, square_m
 from conftest import expects_torchscript_deprecation
 from factories import rel_l2
 
+# The tracing tests trace on purpose, and the projects' imports make torch script its own
+# functions (torch 2.14: one FutureWarning more)
+pytestmark = expects_torchscript_deprecation
+
 # ---- transformers ---------------------------------------------------------------------------
 
 def rtdetr_config(module, config_name, **options):
@@ -132,7 +136,6 @@ def test_transformers_mask2former_trains_the_same_after_install(library_calls, d
             "multi_scale_deformable_attention") in switched
 
 
-@expects_torchscript_deprecation
 def test_transformers_install_routes_tracing_to_transformers_code(library_calls):
     """While torch.jit.trace records, the switched function runs transformers' own code."""
     client("transformers")

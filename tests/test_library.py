@@ -279,15 +279,16 @@ def test_python_m_pymsda_info_lists_the_embedded_architectures():
         assert "CUDA kernels:   no (CPU-only build)" in done.stdout
 
 
-def test_python_m_pymsda_help_explains_each_command_and_imports_no_torch_for_it():
+def test_python_m_pymsda_help_explains_each_command_and_imports_no_torch_for_it(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pymsda.__file__)))
     done = subprocess.run([sys.executable, "-m", "pymsda", "--help"], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+                          text=True, timeout=300, cwd=tmp_path, env=env)  # the pymsda tested here
     assert done.returncode == 0, done.stderr
     for command in ("[check]", "info", "bench"):
         assert f"python -m pymsda {command} " in done.stdout
     assert "float64" in done.stdout and "exit" in done.stdout  # what the self-check compares
     # torch is imported by the commands that use it (pymsda/__init__.py imports it today)
-    tree = ast.parse((REPO / "pymsda" / "__main__.py").read_text())
+    tree = ast.parse(pathlib.Path(pymsda.__file__).with_name("__main__.py").read_text())
     top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = [a.name for node in top for a in node.names] + [node.module or "" for node in top
                                                               if isinstance(node, ast.ImportFrom)]
