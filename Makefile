@@ -1,16 +1,23 @@
 # Makefile: builds build/libpymsda.so, the C/CUDA library pymsda loads with ctypes.
-#   make                   CPU kernels always; CUDA kernels too when nvcc is found (the PATH, the
-#                          usual toolkit folders, or pip's CUDA compiler: make info), for the
-#                          default GPU list below; on every core unless -j is given
-#   make CUDA_ARCHS=90     a quick build for one GPU architecture (a list: "80 90")
-#   make CUDA_ARCHS=all    every architecture from sm_75 this nvcc knows (release wheels)
+#   make                   what this machine can use, said in one line when the build starts: CPU
+#                          kernels always; CUDA kernels when nvcc is found (the PATH, the usual
+#                          toolkit folders, or pip's CUDA compiler: make info) and either a GPU is
+#                          visible (built for the GPUs here) or $(PYTHON)'s torch is a CUDA build
+#                          (built for the default GPU list below); on every core unless -j is given
+#   make MSDA_CUDA=1       CUDA kernels even where nothing here can run them (a container build with
+#                          no GPU visible): for the GPUs here, else the default list
+#   make CUDA_ARCHS=90     CUDA kernels for one GPU architecture (a list: "80 90"); CUDA_ARCHS=default
+#                          for the default list, CUDA_ARCHS=all for every architecture from sm_75
+#                          this nvcc knows (release wheels)
 #   make MSDA_CUDA=0       force a CPU-only build
 #   make wheel             dist/pymsda-<version>-py3-none-<platform>.whl with the library inside:
 #                          manylinux_2_28 with zig's linker (pip install ziglang), see below
 #   make info | test | clean;  V=1 prints the compiler commands
 # A build folder remembers the MSDA_CUDA, CUDA_ARCHS and CUDA_PTX it was made with: a later
 # `make`, `make test` or `make wheel` that names none of them uses it as it is, instead of
-# rebuilding it for the defaults; naming one (or `make clean`) chooses anew.
+# rebuilding it for the defaults; naming one (or `make clean`) chooses anew. A CPU-only build that
+# the machine chose (no nvcc, or no GPU and no CUDA torch) is not remembered: a later `make` looks
+# again, so the CUDA kernels come once something here can use them.
 # No torch, ATen, c10 or pybind11 header is used: the library does not depend on any PyTorch or
 # Python version. cudart is linked statically, so the .so needs only the driver (libcuda).
 
@@ -44,11 +51,12 @@ ALL_LDFLAGS = $(LDFLAGS) -ldl
 
 # ---- what an earlier build of this folder chose -----------------------------------------------
 # (restored only when the user names none of the three, on the command line or in the environment)
-# A CPU-only build that came from a missing nvcc is no choice: it is remembered as MSDA_CUDA
-# empty, and a later `make` looks for nvcc again (a choice.mk without REMEMBERED_FORMAT predates
-# the distinction: its 0 is not restored either).
+# A CPU-only build that the machine chose (no nvcc; no GPU and no CUDA torch) is no choice: it is
+# remembered as MSDA_CUDA empty, and a later `make` looks again (a choice.mk without
+# REMEMBERED_FORMAT predates the distinction: its 0 is not restored either).
 -include $(BUILD)/choice.mk
 named := $(foreach v,MSDA_CUDA CUDA_ARCHS CUDA_PTX,$(filter command environment,$(firstword $(origin $(v)))))
+given := $(foreach v,MSDA_CUDA CUDA_ARCHS CUDA_PTX,$(if $(filter command environment,$(firstword $(origin $(v)))),$(v)=$($(v))))
 ifeq ($(strip $(named)),)
 restore := $(REMEMBERED_MSDA_CUDA)
 ifeq ($(REMEMBERED_FORMAT)$(REMEMBERED_MSDA_CUDA),0)
@@ -73,9 +81,39 @@ PIP_NVCC_PY := import glob, os, sys; found = [p for d in sys.path if d for p in 
 ifeq ($(origin NVCC),undefined)
 NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(firstword $(wildcard $(addsuffix /nvcc,$(NVCC_FOLDERS)))),$(shell $(PYTHON) -c '$(PIP_NVCC_PY)' 2>/dev/null))
 endif
+
+# What this machine can use, when MSDA_CUDA is neither named nor remembered (nor implied by a named
+# CUDA_ARCHS). A GPU: nvidia-smi's compute capabilities, or a /dev/nvidia<N> (a GPU of unknown
+# kind: the default list). A CUDA torch: $(PYTHON)'s torch/version.py names a CUDA version (read,
+# not imported: importing torch takes seconds). Neither: a CPU-only build, which no GPU here could
+# serve faster, in a fraction of the CUDA build's minutes.
+GPU_QUERY   ?= nvidia-smi --query-gpu=compute_cap --format=csv,noheader
+GPU_DEVICES ?= $(wildcard /dev/nvidia[0-9]*)
+gpu_caps     = $(shell { $(GPU_QUERY); } 2>/dev/null | sed -n 's/^ *\([0-9]*\)\.\([0-9]\) *$$/\1\2/p' | sort -nu)
+# "<torch version> <its CUDA version>", "<torch version>" for a CPU build, nothing without torch
+TORCH_BUILD_PY := import importlib.util as u, os, re; s = u.find_spec("torch"); \
+    f = os.path.join(s.submodule_search_locations[0], "version.py") if s else ""; \
+    t = open(f).read() if os.path.isfile(f) else ""; \
+    v = (re.findall(r"^__version__\s*=\s*[\x22\x27]([^\x22\x27]+)", t, re.M) + [""])[0]; \
+    c = (re.findall(r"^cuda\b[^=\n]*=\s*[\x22\x27]([\d.]+)", t, re.M) + [""])[0]; \
+    print(v, c)
+torch_build  = $(shell $(PYTHON) -c '$(TORCH_BUILD_PY)' 2>/dev/null)
 ifeq ($(origin MSDA_CUDA),undefined)
-MSDA_CUDA := $(if $(NVCC),1,0)
-NVCC_MISSING := $(if $(NVCC),,1)
+ifeq ($(NVCC),)
+MSDA_CUDA := 0
+NVCC_MISSING := 1
+else ifneq ($(strip $(CUDA_ARCHS)),)
+MSDA_CUDA := 1
+else
+GPU_CAPS := $(gpu_caps)
+GPU_SEEN := $(strip $(GPU_CAPS) $(GPU_DEVICES))
+TORCH_BUILD := $(if $(GPU_SEEN),,$(torch_build))
+MSDA_CUDA := $(if $(GPU_SEEN)$(word 2,$(TORCH_BUILD)),1,0)
+MACHINE_CPU_ONLY := $(if $(filter 0,$(MSDA_CUDA)),1)
+endif
+endif
+ifeq ($(NVCC)$(origin TORCH_BUILD),undefined)
+TORCH_BUILD := $(torch_build)
 endif
 NVCC_VERSION := $(if $(NVCC),$(shell $(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))
 
@@ -94,8 +132,27 @@ DEFAULT_ARCHS := 75 80 86 90 100 120
 DEFAULT_PTX   := 90
 ifeq ($(strip $(CUDA_ARCHS)),all)
 override CUDA_ARCHS := $(NVCC_ARCHS)
+else ifeq ($(strip $(CUDA_ARCHS)),default)
+override CUDA_ARCHS := $(filter $(NVCC_ARCHS),$(DEFAULT_ARCHS))
 endif
-CUDA_ARCHS  ?= $(filter $(NVCC_ARCHS),$(DEFAULT_ARCHS))
+# None named: the GPUs here when this nvcc knows each of them, else the default list.
+ifeq ($(strip $(CUDA_ARCHS)),)
+ifeq ($(origin GPU_CAPS),undefined)
+GPU_CAPS := $(gpu_caps)
+endif
+ifneq ($(GPU_CAPS),)
+ifeq ($(filter-out $(NVCC_ARCHS),$(GPU_CAPS)),)
+override CUDA_ARCHS := $(GPU_CAPS)
+ARCHS_WHY := for the GPU$(if $(word 2,$(GPU_CAPS)),s) here only; CUDA_ARCHS=default for every GPU generation
+else
+ARCHS_WHY := the default list: sm_$(firstword $(filter-out $(NVCC_ARCHS),$(GPU_CAPS))) (the GPU here) is not among this nvcc's targets from sm_75
+endif
+endif
+endif
+ifeq ($(strip $(CUDA_ARCHS)),)
+override CUDA_ARCHS := $(filter $(NVCC_ARCHS),$(DEFAULT_ARCHS))
+ARCHS_WHY ?= the default list, minutes; CUDA_ARCHS=90 builds one architecture
+endif
 # PTX: the default's with the default list, else that of the newest architecture named.
 ifeq ($(CUDA_ARCHS),$(filter $(NVCC_ARCHS),$(DEFAULT_ARCHS)))
 CUDA_PTX    ?= $(DEFAULT_PTX)
@@ -115,6 +172,25 @@ else
 CUDA_OBJS   := $(BUILD)/cuda_stub.o
 CUDA_LIBS   :=
 endif
+
+# Why the build has CUDA kernels or not: the line the build starts with, and `make info`.
+TORCH_VERSION := $(word 1,$(TORCH_BUILD))
+TORCH_CUDA    := $(word 2,$(TORCH_BUILD))
+ifneq ($(restore),)
+CUDA_WHY := $(if $(filter 1,$(MSDA_CUDA)),,MSDA_CUDA=0 )remembered in $(BUILD)/choice.mk; naming MSDA_CUDA or CUDA_ARCHS, or make clean, chooses anew
+else ifneq ($(NVCC_MISSING),)
+CUDA_WHY := nvcc not found: make info says how to get it
+else ifneq ($(MACHINE_CPU_ONLY),)
+CUDA_WHY := no GPU visible, and $(if $(TORCH_VERSION),torch $(TORCH_VERSION) has no CUDA,no torch in $(PYTHON)): make MSDA_CUDA=1 builds them too, for the default GPU list (minutes)
+else ifneq ($(strip $(given)),)
+CUDA_WHY := $(strip $(given))$(if $(ARCHS_WHY),: $(ARCHS_WHY))
+else ifneq ($(GPU_SEEN),)
+CUDA_WHY := a GPU is visible: $(ARCHS_WHY)
+else
+CUDA_WHY := no GPU visible, but torch $(TORCH_VERSION) is a CUDA $(TORCH_CUDA) build: $(ARCHS_WHY)
+endif
+
+comma := ,
 
 # Quiet commands unless V=1: one line a file says what is compiled.
 ifeq ($(V),1)
@@ -143,15 +219,14 @@ CONFIG := $(CC) $(ALL_CFLAGS) | $(MSDA_CUDA) $(NVCC) $(CUDA_ARCHS) $(ALL_NVCCFLA
 $(BUILD)/config: FORCE | $(BUILD)
 	@echo '$(CONFIG)' | cmp -s - $@ || echo '$(CONFIG)' > $@
 	@printf 'REMEMBERED_MSDA_CUDA := %s\nREMEMBERED_CUDA_ARCHS := %s\nREMEMBERED_CUDA_PTX := %s\nREMEMBERED_FORMAT := 2\n' \
-	    '$(if $(NVCC_MISSING),,$(MSDA_CUDA))' '$(CUDA_ARCHS)' '$(CUDA_PTX)' > $(BUILD)/choice.mk
+	    '$(if $(NVCC_MISSING)$(MACHINE_CPU_ONLY),,$(MSDA_CUDA))' '$(CUDA_ARCHS)' '$(CUDA_PTX)' > $(BUILD)/choice.mk
 FORCE:
 
 # Says what the build is about to compile (run before the first object, when any is stale).
 $(BUILD)/started: $(wildcard c/*.c c/*.h c/*.inc kernels/*.cu kernels/*.cuh kernels/instances/*.cu) $(BUILD)/config | $(BUILD)
 	@$(if $(filter 1,$(MSDA_CUDA)),$(if $(NVCC),,echo "MSDA_CUDA=1 (remembered in $(BUILD)/choice.mk?) but no nvcc found: see make info" && exit 1))
 	@touch $@
-	@echo "building $(LIB): C ($(CC))$(if $(filter 1,$(MSDA_CUDA)), and CUDA $(NVCC_VERSION) kernels for $(ARCH_LIST),; no CUDA kernels ($(if $(NVCC_MISSING),nvcc not found: make info says how to get it,MSDA_CUDA=$(MSDA_CUDA))))"
-	@$(if $(filter 1,$(MSDA_CUDA)),echo "  (each kernel file compiles once per target: minutes for the default list; make CUDA_ARCHS=90 builds one)")
+	@echo "building $(LIB): C ($(CC))$(if $(filter 1,$(MSDA_CUDA)), and CUDA $(NVCC_VERSION) kernels for $(ARCH_LIST),$(comma) no CUDA kernels) ($(CUDA_WHY))"
 
 $(BUILD)/%.o: c/%.c $(wildcard c/*.h c/*.inc) $(BUILD)/config | $(BUILD) $(BUILD)/started
 	$(call say,CC    $<)
@@ -171,23 +246,13 @@ $(LIB): $(C_OBJS) $(CUDA_OBJS)
 	@echo "built $@ (CUDA: $(if $(filter 1,$(MSDA_CUDA)),$(ARCH_LIST),none)) in $$(( $$(date +%s) - $(START) )) s"
 
 # Without nvcc, `make info` names the pip command for the CUDA of $(PYTHON)'s torch (13.x: its own
-# version, so that pip keeps torch's pins; else 13.0) and the driver that build needs. It reads
-# torch/version.py rather than importing torch (seconds).
-CUDA_HINT_PY := import importlib.util as u, os, re; s = u.find_spec("torch"); \
-    f = os.path.join(s.submodule_search_locations[0], "version.py") if s else ""; \
-    t = open(f).read() if os.path.isfile(f) else ""; \
-    c = (re.findall(r"^cuda\b[^=\n]*=\s*[\x22\x27]([\d.]+)", t, re.M) + [""])[0]; \
-    v = (re.findall(r"^__version__\s*=\s*[\x22\x27]([^\x22\x27]+)", t, re.M) + ["?"])[0]; \
-    print("               CUDA kernels without a toolkit: pip install \"cuda-toolkit[nvcc,cccl]==%s.*\"" \
-    % (c if c.startswith("13.") else "13.0")); \
-    print("               (the library then needs NVIDIA driver 580+; %s)" % ("torch %s uses CUDA %s%s" \
-    % (v, c, "; pip has no CUDA 12 compiler: for an older driver install a CUDA 12 toolkit" \
-    if c.startswith("12.") else "") if c else "this torch has no CUDA"))
+# version, so that pip keeps torch's pins; else 13.0) and the driver that build needs.
 info:
 	@echo "C compiler:    $(CC) ($(shell $(CC) -dumpfullversion 2>/dev/null || $(CC) -dumpversion))"
 	@echo "nvcc:          $(if $(NVCC),$(NVCC) (CUDA $(NVCC_VERSION)),not found ($(strip PATH, $(NVCC_FOLDERS:%=%,) $(PYTHON)'s site-packages)))"
-	@$(if $(NVCC),true,$(PYTHON) -c '$(CUDA_HINT_PY)' || true)
-	@echo "CUDA kernels:  $(if $(filter 1,$(MSDA_CUDA)),yes,no ($(if $(NVCC_MISSING),nvcc not found,MSDA_CUDA=$(MSDA_CUDA))))"
+	@$(if $(NVCC),true,echo '               CUDA kernels without a toolkit: pip install "cuda-toolkit[nvcc,cccl]==$(if $(filter 13.%,$(TORCH_CUDA)),$(TORCH_CUDA),13.0).*"')
+	@$(if $(NVCC),true,echo '               (the library then needs NVIDIA driver 580+; $(if $(TORCH_CUDA),torch $(TORCH_VERSION) uses CUDA $(TORCH_CUDA)$(if $(filter 12.%,$(TORCH_CUDA)),; pip has no CUDA 12 compiler: for an older driver install a CUDA 12 toolkit),$(if $(TORCH_VERSION),torch $(TORCH_VERSION) has no CUDA,no torch in $(PYTHON))))')
+	@echo "CUDA kernels:  $(if $(filter 1,$(MSDA_CUDA)),yes,no) ($(CUDA_WHY))"
 	@echo "CUDA_HOME:     $(CUDA_HOME)"
 	@echo "architectures: $(ARCH_LIST)"
 	@echo "output:        $(LIB)"
@@ -221,8 +286,9 @@ $(PORTABLE_LIB): $(C_OBJS) $(CUDA_OBJS)
 wheel: $(if $(ZIG),$(PORTABLE_LIB),$(LIB))
 	@mkdir -p $(DIST)
 	@$(if $(ZIG),,echo "make wheel: zig not found (pip install ziglang), so the wheel carries $(LIB) as linked here")
-	@PYMSDA_BUILD_DIR='$(dir $<)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
-	    import _build_backend; print("built " + sys.argv[1] + "/" + _build_backend.build_wheel(sys.argv[1]))' $(DIST)
+	@wheel=$$(PYMSDA_BUILD_DIR='$(dir $<)' $(PYTHON) -c 'import sys; sys.path.insert(0, "pymsda"); \
+	    import _build_backend; print(_build_backend.build_wheel(sys.argv[1]))' $(DIST)) && \
+	    echo "built $(DIST)/$$wheel in $$(( $$(date +%s) - $(START) )) s"
 
 # ---- tests -------------------------------------------------------------------------------------
 $(BUILD)/test_c_api: tests/c/test_c_api.c $(LIB) c/msda.h c/half.h

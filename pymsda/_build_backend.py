@@ -119,7 +119,10 @@ def _ensure_library():
     library = os.path.join(ROOT, build, LIBRARY)
     if os.path.isfile(library):
         return library
-    command = ["make", "BUILD=" + build] + shlex.split(os.environ.get("PYMSDA_MAKE_ARGS", ""))
+    # make asks PYTHON what torch it has (and where pip put nvcc): this interpreter, with -E, since
+    # pip's build isolation (PYTHONPATH, PYTHONNOUSERSITE) hides the environment's packages.
+    command = ["make", "BUILD=" + build, "PYTHON=%s -E" % shlex.quote(sys.executable)]
+    command += shlex.split(os.environ.get("PYMSDA_MAKE_ARGS", ""))
     print("pymsda: %s not found, running: %s" % (library, shlex.join(command)), file=sys.stderr, flush=True)
     try:
         subprocess.run(command, cwd=ROOT, check=True)

@@ -18,14 +18,22 @@ LEARNING_RATE = 1e-3
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 
 
+# The projects that import PyPI's torchvision, which is built for PyPI's CUDA torch and does not
+# import beside a CPU build: their pins are in a file of their own.
+TORCHVISION_PROJECTS = ("ultralytics", "rfdetr", "groundingdino")
+
+
 def client(name):
-    """The project's module, or a skip that says why it cannot be imported here."""
+    """The project's module, or a skip that names the project, where its pinned version is
+    and why it cannot be imported here (one reason for all of a project's skips)."""
     try:
         return importlib.import_module(name)
     except Exception as error:  # ImportError, or a torchvision built for another torch
+        project = name.split(".")[0]
         first_line = (str(error).splitlines() or [""])[0][:160]
-        pytest.skip(f"{name} cannot be imported here ({type(error).__name__}: {first_line}); "
-                    "ultralytics and rfdetr need PyPI's torchvision, built for PyPI's CUDA torch")
+        pins = ("tests/requirements-clients-torchvision.txt, beside PyPI's CUDA torch"
+                if project in TORCHVISION_PROJECTS else "tests/requirements-clients.txt")
+        pytest.skip(f"needs {project} ({pins}): {type(error).__name__}: {first_line}")
 
 
 @pytest.fixture

@@ -9,8 +9,13 @@ Features an older torch lacks are detected, not inferred from its version number
 needs one skips with `requires_torch_feature(...)`, whose reason names the feature and the torch.
 With PYMSDA_TEST_INSTALLED=1 (tests/matrix.py sets it) the session refuses to start unless pymsda
 was imported from an installed wheel rather than from this source checkout.
+
+The run ends with its skips counted by reason (pytest -rs says where each one was); a reason
+that an install lifts names it, and README.md's "Tests" lists them.
 """
+import collections
 import os
+import shutil
 
 import pytest
 import torch
@@ -40,6 +45,36 @@ def pytest_configure(config):
             if os.path.realpath(path).startswith(os.path.realpath(REPO) + os.sep):
                 raise pytest.UsageError(f"PYMSDA_TEST_INSTALLED=1 but pymsda's {what} comes from "
                                         f"the source checkout: {path}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = terminalreporter.stats.get("skipped", [])
+    reasons = collections.Counter(_skip_reason(report) for report in skipped)
+    if not reasons:
+        return
+    width = max(120, shutil.get_terminal_size().columns) - 8
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason (pytest -rs: where)")
+    for reason, count in reasons.most_common():
+        line = reason if len(reason) <= width else reason[:width - 3] + "..."
+        terminalreporter.write_line(f"{count:6d}  {line}")
+
+
+def _skip_reason(report):
+    """The reason a skipped report gives, without pytest's "Skipped: " (first line only)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = (reason.splitlines() or [""])[0]
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+# TorchScript is deprecated: torch.jit.script, trace, save and load (and torch's own modules that
+# script functions when imported) warn, DeprecationWarning on torch 2.13 and FutureWarning on 2.14
+# (docs/export.md says so to users). Tests that script or trace on purpose, or import such a torch
+# module, expect it; any other warning, and these anywhere else, still show.
+expects_torchscript_deprecation = pytest.mark.filterwarnings(
+    r"ignore:`torch\.jit\.(script|script_method|trace|interface|save|load)` is deprecated:Warning")
+
+NEEDS_ONNX = 'needs onnx and onnxruntime (the ONNX tests): pip install ".[onnx]"'
 
 
 def cuda_usable():

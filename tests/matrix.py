@@ -113,7 +113,7 @@ def build_wheel(args, out_dir):
                "DIST=" + out_dir, "PYTHON=" + sys.executable] + args.make_args
     log("building the wheel: " + " ".join(command))
     output = run(command)
-    built = re.findall(r"^built (\S+\.whl)$", output, re.M)
+    built = re.findall(r"^built (\S+\.whl) in \d+ s$", output, re.M)
     if not built:
         raise RuntimeError("`make wheel` printed no 'built ...whl' line:\n" + output[-2000:])
     return os.path.abspath(built[-1])

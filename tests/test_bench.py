@@ -3,9 +3,11 @@
 Checks what the numbers mean, never how fast anything is: the rows and their keys, the precision
 columns, the input distributions of shapes.json "locations", the JSON output, the CLI.
 """
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda.bench import inputs as bench_inputs, op, report, timing
+from pymsda.bench import command, inputs as bench_inputs, op, report, timing
 from conftest import grid_sample_supports, requires_torch_feature
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,7 +201,7 @@ def test_cli_bench_rejects_an_unknown_shape(tmp_path):
 
 
 def test_plot_writes_a_png(result, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (bench --plot): pip install matplotlib")
     path = tmp_path / "speedups.png"
     report.plot(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -208,7 +210,7 @@ def test_plot_writes_a_png(result, tmp_path):
 def test_plot_without_matplotlib_stops_before_running_with_a_clear_message(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(SystemExit) as stop:
-        op.main(["--device", "cpu", "--plot", "never_written.png"])
+        command.main(["--device", "cpu", "--plot", "never_written.png"])
     assert stop.value.code == 2 and "matplotlib" in capsys.readouterr().err
 
 
@@ -283,7 +285,7 @@ def test_queue_ran_dry_flags_idle_gaps_between_timed_calls():
 
 def test_cli_bench_rejects_negative_seconds(capsys):
     with pytest.raises(SystemExit) as stop:
-        op.main(["--device", "cpu", "--seconds", "-1"])
+        command.main(["--device", "cpu", "--seconds", "-1"])
     assert stop.value.code == 2 and "--seconds" in capsys.readouterr().err
 
 
@@ -294,3 +296,97 @@ def test_drift_line_says_whether_the_halves_of_the_run_agree():
     assert "held steady" in timing.drift_line(steady) and "4%" in timing.drift_line(steady)
     line = timing.drift_line(drifted)
     assert "31%" in line and "b f32 bwd reference" in line and "drifted" in line
+
+
+def _wide_values_result():
+    """Rows as wide as the table gets: the longest shape name of shapes.json, four-digit
+    milliseconds, a reference that failed with a long reason, a NaN error (the reference's own
+    f16 NaNs)."""
+    longest = max((n for g in ("gpu", "cpu") for n in bench_inputs.load_shapes()[g]), key=len)
+    errors = dict.fromkeys(report.ERROR_KEYS, 1.234e-07)
+    errors["reference_grad_loc"] = float("nan")
+    rows = []
+    for dtype in ("bf16", "f16"):
+        for index, pass_name in enumerate(report.PASSES):
+            failed = index == 2
+            rows.append(dict(shape=longest, dtype=dtype, pass_=pass_name, errors=errors,
+                             pymsda_ms=1234.567, pymsda_p10_p90_ms=[1200.001, 1299.999],
+                             reference_ms=None if failed else 9876.543,
+                             reference_p10_p90_ms=None if failed else [9000.0, 9999.999],
+                             reference_note="out of memory" if failed else None,
+                             speedup=None if failed else 123.45))
+    for row in rows:
+        row["pass"] = row.pop("pass_")
+    return {"rows": rows, "overhead": None}
+
+
+def test_default_table_fits_100_columns_and_wide_shows_every_column():
+    result = _wide_values_result()
+    table = report.format_table(result)
+    assert max(len(line) for line in table.splitlines()) <= report.TABLE_COLUMNS, table
+    assert "n/a" in table and "ref n/a (out of memory): " in table
+    header = table.splitlines()[0].split()
+    assert header[:3] == ["shape", "dtype", "pass"] and "grad_loc" not in header
+    assert re.search(r" nan$", table, re.M)  # the worst gradient error: NaN where one is NaN
+    wide = report.format_table(result, wide=True)
+    assert max(len(line) for line in wide.splitlines()) > report.TABLE_COLUMNS
+    for column in ("pymsda ms (p10-p90)", "ref grad_value", "ref grad_loc", "grad_attn"):
+        assert column in wide
+    assert "1234.567 (1200.001-1299.999)" in wide and "n/a (out of memory)" in wide
+
+
+def test_worst_gradient_error_is_the_largest_of_the_three():
+    errors = {"grad_value": 1e-7, "grad_loc": 3e-5, "grad_attn": 2e-6,
+              "reference_grad_value": None, "reference_grad_loc": None,
+              "reference_grad_attn": None}
+    assert report._worst(errors, "") == 3e-5 and report._worst(errors, "reference_") is None
+
+
+def test_bench_help_lists_the_shapes_and_explains_every_option():
+    cli = command.parser()
+    for action in cli._actions:
+        assert action.help, action.option_strings  # no option without its help text
+    text = cli.format_help()
+    for group in ("gpu", "cpu"):
+        for name in bench_inputs.load_shapes()[group]:
+            assert f"    {name} " in text
+    assert "(default 3)" in text  # --sets' default, among others
+    for option in ("--dist", "--pass", "--wide"):
+        assert "default" in next(a.help for a in cli._actions if option in a.option_strings)
+
+
+def test_time_rows_reports_progress_between_rounds():
+    seen = []
+    jobs = [({"pass": "fwd"}, [None])]
+    timing.time_rows(jobs, reps=3, warmup=0, make_calls=lambda op, sets, p: [lambda: None],
+                     op=op._pymsda, progress=lambda *args: seen.append(args))
+    assert [(rounds, done) for rounds, _, done in seen] == [(1, False), (2, False), (3, False),
+                                                            (3, True)]
+    assert all(b[1] >= a[1] >= 0 for a, b in zip(seen, seen[1:]))  # elapsed seconds grow
+
+
+class Stream(io.StringIO):
+    def __init__(self, terminal):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self):
+        return self.terminal
+
+
+def test_progress_is_a_line_every_few_seconds_in_a_log_and_a_bar_on_a_terminal():
+    log = Stream(terminal=False)
+    progress = timing.progress_reporter(reps=20, seconds=60.0, stream=log)
+    progress(1, 2.4, False)  # before PROGRESS_EVERY_S: nothing yet
+    assert log.getvalue() == ""
+    progress(5, 12.0, False)  # 2.4 s a round: 25 rounds for 60 s, 20 left
+    assert log.getvalue() == "  timing: round 5 of about 25, 12 s, about 48 s left\n"
+    progress(25, 60.0, True)  # the rows that follow say the rest
+    assert log.getvalue().count("\n") == 1
+    terminal = Stream(terminal=True)
+    progress = timing.progress_reporter(reps=20, seconds=60.0, stream=terminal)
+    progress(5, 12.0, False)
+    progress(25, 60.0, True)
+    first, last = terminal.getvalue().split("\r")[1:]
+    assert first.startswith("  timing [" + "#" * 6 + "." * 24 + "] round 5 of about 25")
+    assert last.startswith("  timing [" + "#" * 30 + "] round 25 of 25, 60 s") and last.endswith("\n")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pymsda.bench import models as bench_models
+from clients import client
 from test_bench import run_cli
 
 ROW_KEYS = {"dtype", "path", "ms", "p10_p90_ms", "steps_timed", "peak_bytes",
@@ -20,7 +21,7 @@ TINY = dict(device="cpu", size="tiny", rounds=1, steps=1, warmup=1, progress=Fal
 
 @pytest.fixture(autouse=True)
 def needs_transformers():
-    pytest.importorskip("transformers")
+    client("transformers")  # or a skip with the reason the client tests give
 
 
 def test_models_command_on_cpu_reports_every_variant_and_counts_library_calls(tmp_path):

@@ -19,7 +19,12 @@ import torch
 
 from clients import library_calls  # noqa: F401  (a fixture)
 from clients import DTYPES, assert_same_step, client, compare_switched, square_mean, train_step
+from conftest import expects_torchscript_deprecation
 from factories import rel_l2
+
+# The tracing tests trace on purpose, and the projects' imports make torch script its own
+# functions (torch 2.14: one FutureWarning more)
+pytestmark = expects_torchscript_deprecation
 
 # ---- transformers ---------------------------------------------------------------------------
 

@@ -18,6 +18,11 @@ import pymsda
 from pymsda.compat import mmcv as compat  # registers pymsda's module (before any stub below)
 from clients import library_calls  # noqa: F401  (a fixture)
 from clients import DTYPES, assert_same_step, client, square_mean, train_step
+from conftest import expects_torchscript_deprecation
+
+# mmengine imports torch.distributed.optim, whose functions torch scripts when imported (60-odd
+# deprecation warnings)
+pytestmark = expects_torchscript_deprecation
 
 NAME = "MultiScaleDeformableAttention"
 ENTRY = "mmengine.registry.MODELS." + NAME

@@ -146,7 +146,8 @@ class _ExtensionFunction(torch.autograd.Function):
 @pytest.fixture
 def installed_extension(monkeypatch):
     monkeypatch.delitem(sys.modules, "MultiScaleDeformableAttention", raising=False)
-    module = pymsda.compat.install()
+    assert pymsda.compat.install() == ["sys.modules['MultiScaleDeformableAttention']"]
+    module = sys.modules["MultiScaleDeformableAttention"]
     yield module
     pymsda.compat.uninstall()
     monkeypatch.delitem(sys.modules, "MultiScaleDeformableAttention", raising=False)

@@ -164,7 +164,8 @@ def test_uninstall_puts_back_the_extension_imported_before(monkeypatch, no_exten
     user = types.ModuleType("msda_stand_in_user")  # code that imports pymsda's module by name
     user.extension = pymsda.compat.extension
     monkeypatch.setitem(sys.modules, user.__name__, user)
-    installed = pymsda.compat.install()
+    assert pymsda.compat.install() == [SYS_MODULES_ENTRY] == pymsda.compat.install()  # (again)
+    installed = sys.modules[EXTENSION]
     assert installed.ms_deform_attn_forward is pymsda.compat.extension.ms_deform_attn_forward
     client = importing_client(monkeypatch)
     assert client.MSDA is installed

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pymsda
-from conftest import DEVICES, requires_torch_feature
+from conftest import DEVICES, expects_torchscript_deprecation, requires_torch_feature
 from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
                        random_grad_output, rel_l2)
 
@@ -21,6 +21,7 @@ pytestmark = [
     requires_torch_feature(hasattr(torch, "compile"), "torch.compile"),
     requires_torch_feature(hasattr(torch.library, "custom_op"),
                            "torch.library.custom_op (the op cannot be traced without it)"),
+    expects_torchscript_deprecation,  # torch.compile imports torch.utils.mkldnn, which scripts
 ]
 
 SHAPES = [(6, 5), (3, 4)]

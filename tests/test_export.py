@@ -14,12 +14,12 @@ import torch
 import pymsda
 from pymsda import export
 from pymsda._decompose import decompose
-from conftest import requires_torch_feature
+from conftest import NEEDS_ONNX, expects_torchscript_deprecation, requires_torch_feature
 from factories import (flat_size, level_start_index_of, make_inputs, make_point_inputs,
                        oracle_forward, oracle_forward_general, rel_l2)
 
-onnx = pytest.importorskip("onnx", reason="the ONNX tests need onnx (installed by .ci/run)")
-ort = pytest.importorskip("onnxruntime", reason="the ONNX tests need onnxruntime")
+onnx = pytest.importorskip("onnx", reason=NEEDS_ONNX)
+ort = pytest.importorskip("onnxruntime", reason=NEEDS_ONNX)
 
 SHAPES = [(5, 7), (3, 4), (1, 1), (2, 6)]  # rectangular, a 1x1 level
 HAS_CUSTOM_OP = pymsda.ops.HAS_TORCH_LIBRARY_OPS
@@ -27,6 +27,7 @@ requires_dynamo_exporter = requires_torch_feature(
     HAS_CUSTOM_OP and "dynamo" in getattr(torch.onnx.export, "__code__").co_varnames,
     "torch.onnx.export(dynamo=True) with torch.library custom ops")
 F32_BOUND = 1e-5  # ONNX Runtime against eager, float32
+NEEDS_ONNXSCRIPT = 'torch.onnx.export(dynamo=True) needs onnxscript: pip install ".[onnx]"'
 
 
 def _onnxscript_missing():
@@ -181,6 +182,7 @@ def test_jit_trace_of_the_op_differentiates(generator):
         assert rel_l2(grad, want) < 1e-12
 
 
+@expects_torchscript_deprecation
 def test_jit_script_of_a_function_calling_the_op_records_the_op(generator):
     def f(value, loc, attn):
         return pymsda.ms_deform_attn(value, [(5, 7), (3, 4), (1, 1), (2, 6)], None, loc, attn)
@@ -210,7 +212,7 @@ def _check_onnx_runs_to_eager(model, generator, dtype=torch.float32, bound=F32_B
 @pytest.mark.parametrize("tables", ["list", "constant"])
 def test_onnx_export_runs_to_eager_with_dynamic_batch_and_queries(generator, dynamo, tables):
     if dynamo and _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     value, loc, attn, _ = _inputs(generator, 2, 9)
     model = _to_onnx(Call(SHAPES, tables), (value, loc, attn), dynamo=dynamo)
     assert "Gather" in {node.op_type for node in model.graph.node}
@@ -251,7 +253,7 @@ def test_onnx_export_reads_spatial_shapes_when_they_are_an_input(generator):
 @pytest.mark.parametrize("sampling", ["bilinear", "nearest"])
 def test_onnx_export_per_level_points_nearest_and_softmax(generator, dynamo, sampling):
     if dynamo and _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     counts = [2, 0, 3, 1]
     options = dict(num_points_list=counts, sampling=sampling, softmax=True)
 
@@ -273,7 +275,7 @@ def test_onnx_export_float16(generator, dynamo, points):
     """A float16 value with float16 points, or with float32 points (autocast's): computed in
     float32 as the kernels do, output in float16."""
     if dynamo and _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     point_dtype = getattr(torch, points)
     value, loc, attn, _ = _inputs(generator, 2, 9, dtype=torch.float16)
     model = _to_onnx(Call(SHAPES), (value, loc.to(point_dtype), attn.to(point_dtype)),
@@ -335,7 +337,7 @@ def test_tensorrt_node_structure(generator, dynamo, version):
     attention_weights) with the graph's own tensors, and its (B, Q, H, C) output reshaped to
     (B, Q, H*C) as the graph's output."""
     if dynamo and _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     value, loc, attn, _ = _inputs(generator, 2, 9)
     with export.onnx_options(tensorrt=True, plugin_version=version):
         model = _to_onnx(Call(SHAPES), (value, loc, attn), dynamo=dynamo)
@@ -399,7 +401,7 @@ def _with_decomposed_plugin(model, dtype):
                                   "half_value_f32_points"])
 def test_tensorrt_node_replaced_by_the_decomposition_runs_to_eager(generator, dynamo, case):
     if dynamo and _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     dtype = torch.float16 if case in ("float16", "half_value_f32_points") else torch.float32
     options = {"softmax": {"softmax": True},
                "equal_counts": {"num_points_list": [3] * len(SHAPES)}}.get(case, {})
@@ -428,7 +430,7 @@ def test_tensorrt_node_replaced_by_the_decomposition_runs_to_eager(generator, dy
 def test_tensorrt_option_falls_back_to_the_decomposition_with_a_warning(generator, dynamo,
                                                                         what):
     if dynamo and _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     options = ({"sampling": "nearest"} if what == "nearest"
                else {"num_points_list": [4, 3, 1, 4]})
     value, loc, attn, _ = _inputs(generator, 2, 9, points=3)
@@ -450,7 +452,7 @@ def test_tensorrt_node_from_an_exported_program_runs_to_eager(generator):
     """An ExportedProgram decomposed inside onnx_options(tensorrt=True): the plugin node, its
     tables computed from the program's shape constant."""
     if _onnxscript_missing():
-        pytest.skip("torch.onnx.export(dynamo=True) needs onnxscript")
+        pytest.skip(NEEDS_ONNXSCRIPT)
     value, loc, attn, _ = _inputs(generator, 2, 9)
     batch, queries = torch.export.Dim("batch"), torch.export.Dim("queries")
     program = torch.export.export(Call(SHAPES), (value, loc, attn), dynamic_shapes=(

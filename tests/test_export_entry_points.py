@@ -18,10 +18,12 @@ import pymsda
 from pymsda import export
 from pymsda.compat import (_switch, deformable_detr, extension, mmcv, paddle, rfdetr, rtdetr,
                            transformers, ultralytics)
-from conftest import requires_torch_feature
+from conftest import NEEDS_ONNX, expects_torchscript_deprecation, requires_torch_feature
 from factories import flat_size, level_start_index_of, make_inputs, rel_l2
 
-ort = pytest.importorskip("onnxruntime", reason="the ONNX tests need onnxruntime")
+pytestmark = expects_torchscript_deprecation  # every entry point is scripted and traced
+
+ort = pytest.importorskip("onnxruntime", reason=NEEDS_ONNX)
 
 SHAPES = [(5, 7), (3, 4), (1, 1), (2, 6)]  # rectangular, a 1x1 level
 STARTS = level_start_index_of(SHAPES)

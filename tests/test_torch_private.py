@@ -12,6 +12,7 @@ import torch
 
 import pymsda
 from pymsda import _torch_private
+from conftest import expects_torchscript_deprecation
 
 PACKAGE = os.path.dirname(os.path.abspath(pymsda.__file__))
 
@@ -44,6 +45,7 @@ def test_private_accessors_answer_with_or_without_the_private_api(monkeypatch):
     assert _torch_private.register_script_builtin(len, "pymsda::none") is False
 
 
+@expects_torchscript_deprecation
 def test_script_unsupported_reaches_torch_jit_script():
     def helper(x):
         return x

@@ -36,12 +36,9 @@ gradients, and the reference's own errors (forward and gradients) in the benchma
 requires_grad inputs, level shapes as a list and as device tensors, no synchronisation inside a
 loop, the garbage collector off as in timeit; the median of 5 loops).
 """
-import argparse
 import functools
 import gc
-import shlex
 import statistics
-import sys
 import time
 import zlib
 
@@ -50,10 +47,9 @@ import torch
 from ..ops import ms_deform_attn
 from ..reference import ms_deform_attn_pytorch, rel_l2
 from . import timing
-from .inputs import DISTRIBUTIONS, load_shapes, make_inputs
-from .options import DTYPES, checked_device, comma_list, default_device
-from .report import (ERROR_KEYS, GRAD_KEYS, PASSES, _number, environment, format_markdown,
-                     format_table, plot, write_json)
+from .inputs import load_shapes, make_inputs
+from .options import DTYPES, default_device
+from .report import ERROR_KEYS, GRAD_KEYS, PASSES, _number, environment
 from .timing import failure as _failure, free as _free, pass_calls, time_ms, time_ms_alternated
 
 
@@ -287,10 +283,12 @@ def run(shapes=None, device=None, dtypes=None, dist="realistic", passes=PASSES, 
             del input_sets
             rows += group
     if cpu_jobs:
-        log(f"timing {len(cpu_jobs)} rows interleaved, {seconds:g} s at least")
+        log(f"timing {len(cpu_jobs)} row{'s' * (len(cpu_jobs) != 1)} interleaved: {reps} rounds "
+            f"and {seconds:g} s at least, the rows printed when all are done")
         cpu_timing = timing.time_rows(
             cpu_jobs, reps, warmup, pass_calls, _pymsda_deterministic if deterministic else _pymsda,
-            ms_deform_attn_pytorch if reference else None, seconds)
+            ms_deform_attn_pytorch if reference else None, seconds,
+            progress=timing.progress_reporter(reps, seconds) if progress else None)
         del cpu_jobs
         for i in range(0, len(rows), len(passes)):
             _log_group(log, rows[i:i + len(passes)])
@@ -312,80 +310,3 @@ def _log_group(log, group):
         + (f" (value's rounding alone {_number(rounding)})" if rounding else "")
         + (f", grad_value {_number(errors['grad_value'])} (all-half call {_number(half)})"
            if half else ""))
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any(a == "--models" or a.startswith("--models=") for a in argv):  # model-level steps
-        from .models import main as models_main
-        return models_main(argv)
-    parser = argparse.ArgumentParser(prog="python -m pymsda bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="default: cuda when a GPU and the library's CUDA kernels are there")
-    parser.add_argument("--shapes", help="NAME[,NAME..] of the device's group (default: all)")
-    parser.add_argument("--dtype", type=comma_list(list(DTYPES)),
-                        help="comma list of f32,bf16,f16,f64 (default: f32,bf16,f16 on cuda, f32 on cpu)")
-    parser.add_argument("--dist", choices=DISTRIBUTIONS, default="realistic")
-    parser.add_argument("--pass", dest="passes", type=comma_list(PASSES), default=list(PASSES))
-    parser.add_argument("--reps", type=int, help="timed calls per input set (30 on cuda); on cpu "
-                        "interleaved rounds (20 at least, more until 60 s have passed)")
-    parser.add_argument("--sets", type=int, default=3, help="distinct input sets, rotated")
-    parser.add_argument("--seconds", type=float, default=None,
-                        help=f"cpu: time the interleaved rounds for this long at least (default "
-                             f"{timing.CPU_MIN_SECONDS:g}; longer on a shared machine whose speed drifts)")
-    parser.add_argument("--no-reference", action="store_true", help="do not time the reference")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the CPU")
-    parser.add_argument("--overhead", action="store_true", help="also the host cost of one call")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="time pymsda with deterministic=True (bitwise reproducible backward)")
-    parser.add_argument("--points", choices=["same", "f32"], default="same",
-                        help="f32: float32 locations and weights with the half dtypes (what "
-                             "autocast gives), timed alternated with the all-half call (points "
-                             "rounded: the all-half column); errors against the unrounded value, "
-                             "beside the error of rounding value alone, and grad_value's beside "
-                             "the all-half call's")
-    parser.add_argument("--json", metavar="FILE", help="write metadata and rows to FILE")
-    parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the speed-ups")
-    parser.add_argument("--markdown", metavar="FILE", help="write the table as BENCHMARKS.md has it")
-    args = parser.parse_args(argv)
-
-    device = checked_device(parser, args.device)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
-    for option in ("reps", "sets", "threads"):
-        if getattr(args, option) is not None and getattr(args, option) < 1:
-            parser.error(f"--{option} must be at least 1")
-    if args.seconds is not None and not args.seconds >= 0:
-        parser.error("--seconds must be a number of seconds >= 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    group_name = "gpu" if device == "cuda" else "cpu"
-    group = load_shapes()[group_name]
-    names = [n.strip() for n in args.shapes.split(",")] if args.shapes else list(group)
-    unknown = [n for n in names if n not in group]
-    if unknown:
-        parser.error(f"unknown shape(s) {', '.join(unknown)}; the {group_name} group has "
-                     f"{', '.join(group)}")
-
-    result = run({n: group[n] for n in names}, device, args.dtype, args.dist, args.passes,
-                 args.reps, args.sets, reference=not args.no_reference, overhead=args.overhead,
-                 deterministic=args.deterministic, points32=args.points == "f32",
-                 seconds=args.seconds,
-                 command=shlex.join(["python", "-m", "pymsda", "bench"] + argv))
-    print()
-    print(format_table(result), flush=True)
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(format_markdown(result))
-        print(f"wrote {args.markdown}")
-    return 0

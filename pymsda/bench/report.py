@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import subprocess
+import textwrap
 
 import torch
 
@@ -15,6 +16,7 @@ PASSES = ("fwd", "bwd", "fwdbwd")
 ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
               "reference_grad_value", "reference_grad_loc", "reference_grad_attn")
 GRAD_KEYS = ERROR_KEYS[2:5]
+TABLE_COLUMNS = 100  # the default table's width at most (--wide: every column)
 
 
 def _overhead_label(key):
@@ -41,32 +43,58 @@ def _timed(row, who):
     return text + (f" ({spread[0]:.3f}-{spread[1]:.3f})" if spread else "")
 
 
-def format_table(result):
-    """The run as a text table; with --points f32 the all-half call's time (alternated with
-    pymsda's) and grad_value error beside pymsda's."""
+def format_table(result, wide=False):
+    """The run as a text table. The default fits 100 columns: each time's median, the speed-up,
+    the forward error and the worst of the three gradients' errors, pymsda's and the
+    reference's; a reference that failed is "n/a", its reason below the table. wide: every
+    time with its p10-p90 spread and every error column (about 190 columns). With --points f32
+    the all-half call's time (alternated with pymsda's) is beside pymsda's, and wide adds its
+    grad_value error."""
     half = any(row.get("all_half_ms") for row in result["rows"])
-    header = ["shape", "dtype", "pass", "pymsda ms (p10-p90)"] + (
-        ["all-half ms (p10-p90)"] if half else []) + [
-        "reference ms (p10-p90)", "speed-up", "error", "ref error", "grad_value", "grad_loc",
-        "grad_attn", "ref grad_value", "ref grad_loc", "ref grad_attn"] + (
-        ["all-half grad_value"] if half else [])
-    lines, previous = [], None
+    if wide:
+        header = ["shape", "dtype", "pass", "pymsda ms (p10-p90)"] + (
+            ["all-half ms (p10-p90)"] if half else []) + [
+            "reference ms (p10-p90)", "speed-up", "error", "ref error", "grad_value", "grad_loc",
+            "grad_attn", "ref grad_value", "ref grad_loc", "ref grad_attn"] + (
+            ["all-half grad_value"] if half else [])
+    else:
+        header = ["shape", "dtype", "pass", "pymsda ms"] + (["all-half ms"] if half else []) + [
+            "ref ms", "speed-up", "fwd err", "ref fwd", "grad err", "ref grad"]
+    lines, previous, notes = [], None, {}
     for row in result["rows"]:
         errors = row["errors"]
         first = (row["shape"], row["dtype"]) != previous
         previous = (row["shape"], row["dtype"])
-        reference = (_timed(row, "reference") if row["reference_ms"] is not None
-                     else f"n/a ({row['reference_note']})")
-        all_half = [_timed(row, "all_half") if row.get("all_half_ms") else "n/a"] if half else []
-        half_error = [_number(errors.get("all_half_grad_value")) if first else ""] if half else []
+        timed = _timed if wide else (lambda row, who: f"{row[who + '_ms']:.3f}")
+        if row["reference_ms"] is not None:
+            reference = timed(row, "reference")
+        elif wide:
+            reference = f"n/a ({row['reference_note']})"
+        else:
+            reference = "n/a"
+            notes.setdefault(row["reference_note"], []).append(
+                " ".join((row["shape"], row["dtype"], row["pass"])))
+        all_half = [timed(row, "all_half") if row.get("all_half_ms") else "n/a"] if half else []
+        if wide:
+            shown = [_number(errors[k]) for k in ERROR_KEYS] + (
+                [_number(errors.get("all_half_grad_value"))] if half else [])
+        else:
+            shown = [_number(errors["forward"]), _number(errors["reference_forward"]),
+                     _number(_worst(errors, "")), _number(_worst(errors, "reference_"))]
         lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
-                      _timed(row, "pymsda"), *all_half, reference,
+                      timed(row, "pymsda"), *all_half, reference,
                       _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
-                      *(_number(errors[k]) if first else "" for k in ERROR_KEYS), *half_error])
+                      *(shown if first else [""] * len(shown))])
     widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]
     text = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w)
-                      for i, (cell, w) in enumerate(zip(cells, widths)))
+                      for i, (cell, w) in enumerate(zip(cells, widths))).rstrip()
             for cells in [header] + lines]
+    if not wide:
+        text += ["ref: the pure-PyTorch reference (grid_sample); err: relative L2 error against "
+                 "float64;", "grad: the worst of the three gradients' (--wide: each, and every "
+                 "time's p10-p90 spread)"]
+        text += [textwrap.fill(f"ref n/a ({note}): {', '.join(where)}", TABLE_COLUMNS,
+                               subsequent_indent="  ") for note, where in notes.items()]
     overhead = result.get("overhead")
     if overhead:
         text.append(f"\nhost overhead per eager forward call (tiny shape, median of "
@@ -75,6 +103,16 @@ def format_table(result):
             if key.endswith("_us"):
                 text.append(f"  {_overhead_label(key):26s} {us:8.1f} us")
     return "\n".join(text)
+
+
+def _worst(errors, prefix):
+    """The largest of the three gradients' errors (prefix "reference_": the reference's), None
+    where none was measured."""
+    measured = [errors.get(prefix + key) for key in GRAD_KEYS]
+    measured = [e for e in measured if e is not None]
+    if any(math.isnan(e) for e in measured):  # (max() would depend on the order)
+        return math.nan
+    return max(measured) if measured else None
 
 
 def format_markdown(result):

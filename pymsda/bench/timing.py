@@ -4,7 +4,9 @@ together, in interleaved rounds (and what the run says of its machine's drift). 
 percentiles every table gives and the short reason of a failed measurement."""
 import functools
 import gc
+import math
 import statistics
+import sys
 import time
 
 import torch
@@ -40,12 +42,14 @@ CPU_MIN_SECONDS = 60.0
 CPU_ROUND_MS = 20.0
 
 
-def time_rows(jobs, reps, warmup, make_calls, op, reference_op=None, seconds=None):
+def time_rows(jobs, reps, warmup, make_calls, op, reference_op=None, seconds=None,
+              progress=None):
     """Fills the timing columns of CPU rows. jobs: (row, input_sets) pairs, row["pass"] set;
     make_calls(op, input_sets, pass) gives a row's argument-less calls (pass_calls);
     reference_op None: the reference is not run. A reference that fails (building its graph,
-    warming up or later) gets "n/a" and its reason; the others go on. Returns the run's
-    rounds, seconds and how far each entry's two halves of rounds lie apart (drift_line)."""
+    warming up or later) gets "n/a" and its reason; the others go on. progress(rounds, seconds,
+    done) is called between rounds (progress_reporter). Returns the run's rounds, seconds and
+    how far each entry's two halves of rounds lie apart (drift_line)."""
     reference = reference_op is not None
     entries = []  # [row, "pymsda" or "reference", calls]
     for row, input_sets in jobs:
@@ -98,7 +102,11 @@ def time_rows(jobs, reps, warmup, make_calls, op, reference_op=None, seconds=Non
                     entries[k][0]["reference_note"] = failure(error)
                     alive[k] = False
             rounds += 1
+            if progress is not None:  # between rounds: outside every timed call
+                progress(rounds, time.perf_counter() - begin, False)
         elapsed = time.perf_counter() - begin
+        if progress is not None:
+            progress(rounds, elapsed, True)
     finally:
         if enabled:
             gc.enable()
@@ -118,6 +126,35 @@ def time_rows(jobs, reps, warmup, make_calls, op, reference_op=None, seconds=Non
         elif row["reference_note"] is None:
             row["reference_note"] = "failed"
     return {"rounds": rounds, "seconds": elapsed, "halves_apart": halves}
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+def progress_reporter(reps, seconds, stream=None):
+    """A progress(rounds, elapsed, done) for time_rows: on a terminal, a bar redrawn in place
+    after every round; elsewhere (a log, a pipe) a line every PROGRESS_EVERY_S. The run stops
+    after `reps` rounds once `seconds` have passed (or after 10 * reps rounds), so the rounds to
+    come are estimated from the time per round so far."""
+    stream = stream or sys.stdout
+    terminal = stream.isatty()
+    shown = [0.0]
+
+    def progress(rounds, elapsed, done):
+        per_round = elapsed / rounds
+        planned = reps if per_round <= 0 else max(reps, min(10 * reps, math.ceil(seconds / per_round)))
+        planned = rounds if done else max(planned, rounds + 1)
+        text = (f"round {rounds} of {'' if done else 'about '}{planned}, {elapsed:.0f} s"
+                + ("" if done else f", about {(planned - rounds) * per_round:.0f} s left"))
+        if terminal:
+            filled = 30 * rounds // planned
+            stream.write(f"\r  timing [{'#' * filled}{'.' * (30 - filled)}] {text}\033[K"
+                         + ("\n" if done else ""))
+            stream.flush()
+        elif not done and elapsed - shown[0] >= PROGRESS_EVERY_S:
+            shown[0] = elapsed
+            print(f"  timing: {text}", file=stream, flush=True)
+    return progress
 
 
 def drift_line(timing):

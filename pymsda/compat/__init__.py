@@ -40,6 +40,7 @@ __all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultra
            "groundingdino", "install", "uninstall"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
+_ENTRY = "sys.modules[%r]" % EXTENSION_NAME  # the name install() switches
 
 
 class _ExtensionAlias(types.ModuleType):
@@ -68,11 +69,13 @@ def install():
     MSDA.ms_deform_attn_backward), so unmodified code that imports it runs on pymsda.
 
     Call it before the code that imports the extension is imported; it replaces any module of
-    that name already in sys.modules (uninstall() puts it back). Returns the installed module."""
+    that name already in sys.modules (uninstall() puts it back). Returns the names switched, as
+    every install() of pymsda.compat does: ["sys.modules['MultiScaleDeformableAttention']"]
+    (the module: sys.modules["MultiScaleDeformableAttention"], what the import gives)."""
     if sys.modules.get(EXTENSION_NAME) is not _ALIAS:
         _held_before[:] = [sys.modules.get(EXTENSION_NAME)]
         sys.modules[EXTENSION_NAME] = _ALIAS
-    return _ALIAS
+    return [_ENTRY]
 
 
 def _names_of_installed():
@@ -103,7 +106,7 @@ def uninstall():
             del sys.modules[EXTENSION_NAME]
         else:
             sys.modules[EXTENSION_NAME] = held_before
-    restored = ["sys.modules[%r]" % EXTENSION_NAME]
+    restored = [_ENTRY]
     original, failures = held_before, []
     if original is None:
         original = _switch._module(EXTENSION_NAME, failures)
