@@ -13,6 +13,7 @@ loads (its op pymsda::MSDeformAttn, docs/export.md), and every attribute that ne
 ImportError saying so.
 """
 import importlib.util
+import sys
 
 from . import _lib
 
@@ -34,17 +35,9 @@ def cuda_archs():
     return _lib.lib.msda_cuda_archs().decode().split()
 
 
-if importlib.util.find_spec("torch") is None:
-    _NEEDS_TORCH = frozenset(__all__) - {"library_path", "cuda_archs"} | {
-        "ops", "modules", "compat", "bench", "HAS_TORCH_LIBRARY_OPS"}
-
-    def __getattr__(name):
-        if name in _NEEDS_TORCH:
-            raise ImportError(
-                f"pymsda.{name} needs PyTorch, which is not installed in this Python: pip install "
-                "torch (without torch, pymsda serves ONNX Runtime: pymsda.library_path())")
-        raise AttributeError(f"module 'pymsda' has no attribute {name!r}")
-else:
+def _torch_api():
+    """The names that need torch, imported (and the ops registered): at `import pymsda`, or at
+    their first use when this import is `python -m pymsda` starting (_cli_start)."""
     import torch
 
     from . import _buffers, export, reference, routes
@@ -64,3 +57,38 @@ else:
         still in use stay with their users. Like torch.cuda.empty_cache, only useful to return
         memory."""
         _buffers.pool.clear()
+
+    globals().update(export=export, reference=reference, routes=routes, MSDeformAttn=MSDeformAttn,
+                     SlowPathWarning=SlowPathWarning, MSDeformAttnFunction=MSDeformAttnFunction,
+                     ms_deform_attn=ms_deform_attn, has_cuda=has_cuda,
+                     empty_cpu_cache=empty_cpu_cache)
+
+
+def _cli_start():
+    """Whether this import is `python -m pymsda` starting (Python imports the package before
+    running its __main__, with sys.argv[0] "-m" meanwhile; sys.orig_argv, 3.10 and later, says
+    which module): the commands import what they need, so `--help` waits for no torch."""
+    orig = getattr(sys, "orig_argv", None) or []
+    return sys.argv[:1] == ["-m"] and any(orig[i:i + 2] == ["-m", "pymsda"]
+                                          for i in range(len(orig) - 1))
+
+
+_NEEDS_TORCH = frozenset(__all__) - {"library_path", "cuda_archs"}
+if importlib.util.find_spec("torch") is None:
+    def __getattr__(name):
+        if name in _NEEDS_TORCH | {"ops", "modules", "compat", "bench", "HAS_TORCH_LIBRARY_OPS"}:
+            raise ImportError(
+                f"pymsda.{name} needs PyTorch, which is not installed in this Python: pip install "
+                "torch (without torch, pymsda serves ONNX Runtime: pymsda.library_path())")
+        raise AttributeError(f"module 'pymsda' has no attribute {name!r}")
+elif _cli_start():
+    _loading = []
+
+    def __getattr__(name):
+        if name in _NEEDS_TORCH and not _loading:  # (while loading, `from . import export`
+            _loading.append(name)                  # asks here before importing the submodule)
+            _torch_api()
+            return globals()[name]
+        raise AttributeError(f"module 'pymsda' has no attribute {name!r}")
+else:
+    _torch_api()

@@ -14,8 +14,9 @@ import torch
 from . import _lib
 from ._buffers import pool as _cpu_pool
 from ._checks import _DTYPE_CODE
-from ._lib import check as _check, current_stream as _current_stream, lib
-from ._torch_private import direct_apply, functorch_active as _functorch_active
+from ._lib import check as _check, lib
+from ._torch_private import current_raw_stream as _current_stream, direct_apply, \
+    functorch_active as _functorch_active
 from .reference import ms_deform_attn_pytorch
 
 

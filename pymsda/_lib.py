@@ -11,11 +11,10 @@ system's libgomp.so.1, else runs on one thread (c/omp_runtime.c; msda_openmp_run
 So the process keeps one OpenMP runtime, and the library loads without torch.
 
 No torch needed: ONNX Runtime users load this module (through pymsda.library_path()) on machines
-without torch. The lowest layer of the package: it imports nothing of pymsda but _torch_private,
-and that only when torch is installed.
+without torch, and `python -m pymsda --help` waits for no torch import. The lowest layer of the
+package: it imports nothing of pymsda (the current CUDA stream is _torch_private's).
 """
 import ctypes
-import importlib.util
 import os
 import struct
 
@@ -220,12 +219,6 @@ def check(status):
 # the devices the library serves
 
 has_cuda_kernels = bool(lib.msda_has_cuda())
-# current_stream(device_index) -> the raw cudaStream_t of that device's current stream (None
-# without torch: only the library's path and queries are used then)
-if importlib.util.find_spec("torch") is not None:
-    from ._torch_private import current_raw_stream as current_stream
-else:
-    current_stream = None
 # CUDA devices the library's kernels run on, and the library's reason for each one they do not
 # (msda_cuda_runs_on, asked once per device, on its first call)
 served_cuda = set()

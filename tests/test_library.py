@@ -281,13 +281,20 @@ def test_python_m_pymsda_info_lists_the_embedded_architectures():
 
 def test_python_m_pymsda_help_explains_each_command_and_imports_no_torch_for_it(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pymsda.__file__)))
-    done = subprocess.run([sys.executable, "-m", "pymsda", "--help"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path, env=env)  # the pymsda tested here
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "pymsda", "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=env)  # the pymsda tested here
     assert done.returncode == 0, done.stderr
     for command in ("[check]", "info", "bench"):
         assert f"python -m pymsda {command} " in done.stdout
     assert "float64" in done.stdout and "exit" in done.stdout  # what the self-check compares
-    # torch is imported by the commands that use it (pymsda/__init__.py imports it today)
+    # torch is imported by the commands that use it: pymsda/__init__.py defers it while
+    # `python -m pymsda` starts (sys.orig_argv, Python 3.10 and later, says that it does)
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "pymsda" in imported
+    if sys.version_info >= (3, 10):
+        assert "torch" not in imported
     tree = ast.parse(pathlib.Path(pymsda.__file__).with_name("__main__.py").read_text())
     top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = [a.name for node in top for a in node.names] + [node.module or "" for node in top
