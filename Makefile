@@ -123,7 +123,7 @@ Q := @
 say = @echo "  $(1)"
 endif
 
-C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_kernels.o $(BUILD)/cpu_general.o
+C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_plain.o $(BUILD)/cpu_options.o
 
 # ---- targets -----------------------------------------------------------------------------------
 .PHONY: all info test test-c clean

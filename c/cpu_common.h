@@ -1,5 +1,5 @@
-/* c/cpu_common.h: the setup both CPU kernel families share: c/cpu_kernels.c (the tuned plain
- * op) and c/cpu_general.c (per-level points, nearest sampling). Each includes it once:
+/* c/cpu_common.h: the setup both CPU kernel families share: c/cpu_plain.c (the tuned plain
+ * op) and c/cpu_options.c (per-level points, nearest sampling). Each includes it once:
  *   - the template idiom of their per-element-type kernels (below);
  *   - a level's sizes read from the caller's shape tables (cpu_level_at);
  *   - the thread count of a call and the thread's number (cpu_threads, cpu_thread_num);

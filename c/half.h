@@ -63,8 +63,8 @@ static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
 static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
 static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
 
-/* Locations, weights and their gradients inside the kernel templates (c/cpu_kernels.inc,
- * c/cpu_general.inc, which define SCALAR, LOAD, STORE and HALF_STORAGE): elements of SCALAR, or
+/* Locations, weights and their gradients inside the kernel templates (c/cpu_plain.inc,
+ * c/cpu_options.inc, which define SCALAR, LOAD, STORE and HALF_STORAGE): elements of SCALAR, or
  * float32 with MSDA_POINTS_F32 (c/msda.h), which only half storage has. points_f32 is
  * POINTS_F32(pr); with HALF_STORAGE 0 every test folds to the SCALAR case at compile time, so
  * the f32 and f64 kernels compile as if it were not there. POINT_AT: the address of element i;

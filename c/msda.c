@@ -284,7 +284,7 @@ int msda_forward(const msda_args *args) {
     REQUIRE_FIELD(fn, pr, attention_weights);
     if (pr.S > 0) REQUIRE_FIELD(fn, pr, value);
     if (pr.device >= 0) return msda_cuda_forward(&pr);
-    return msda_needs_general(&pr) ? msda_cpu_forward_general(&pr) : msda_cpu_forward(&pr);
+    return msda_uses_options(&pr) ? msda_cpu_options_forward(&pr) : msda_cpu_plain_forward(&pr);
 }
 
 int64_t msda_backward_workspace_size(const msda_args *args) {
@@ -327,7 +327,7 @@ int msda_backward(const msda_args *args) {
                                   (long long)pr.workspace_bytes);
     }
     if (pr.device >= 0) return msda_cuda_backward(&pr);
-    return msda_needs_general(&pr) ? msda_cpu_backward_general(&pr) : msda_cpu_backward(&pr);
+    return msda_uses_options(&pr) ? msda_cpu_options_backward(&pr) : msda_cpu_plain_backward(&pr);
 }
 
 int msda_forward_route(const msda_args *args, int aligned16) {

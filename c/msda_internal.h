@@ -18,7 +18,8 @@ extern "C" {
  * c/msda.h without level_points; a level_points table whose counts are all equal is turned into
  * this form by the entry point). With uniform_points = 0 level l owns the points
  * [point_start[l], point_start[l+1]) of NP = P = point_start[L] in all (L <= MSDA_MAX_POINT_LEVELS,
- * NP < 2^31); only the general kernels (msda_cpu_*_general, the generic CUDA kernels) see it. */
+ * NP < 2^31); only the kernels with the option code (msda_cpu_options_*, the generic CUDA
+ * kernels, the fast ones compiled with it) see it. */
 typedef struct {
     int64_t B, S, H, C, L, Q, P;
     int64_t NP;               /* points per (b, q, h) over all levels */
@@ -58,17 +59,17 @@ static inline int64_t msda_point_size(const msda_problem *pr) {
     return (pr->flags & MSDA_POINTS_F32) ? 4 : msda_dtype_size(pr->dtype);
 }
 
-/* CPU kernels (c/cpu_kernels.c): the plain op (uniform points, no MSDA_NEAREST;
- * MSDA_DETERMINISTIC needs nothing on the CPU). */
-int msda_cpu_forward(const msda_problem *pr);
-int msda_cpu_backward(const msda_problem *pr);
-/* CPU kernels for every other problem (c/cpu_general.c): per-level point counts, nearest
- * sampling. */
-int msda_cpu_forward_general(const msda_problem *pr);
-int msda_cpu_backward_general(const msda_problem *pr);
+/* CPU kernels of the tuned plain op (c/cpu_plain.c): uniform points, no MSDA_NEAREST
+ * (MSDA_DETERMINISTIC needs nothing on the CPU). */
+int msda_cpu_plain_forward(const msda_problem *pr);
+int msda_cpu_plain_backward(const msda_problem *pr);
+/* CPU kernels of the options, for every other problem (c/cpu_options.c): per-level point
+ * counts, nearest sampling. */
+int msda_cpu_options_forward(const msda_problem *pr);
+int msda_cpu_options_backward(const msda_problem *pr);
 /* 1 when the problem uses an option (per-level point counts, nearest sampling): the
- * general CPU kernels serve it, and the CUDA fast kernels compiled with their option code. */
-static inline int msda_needs_general(const msda_problem *pr) {
+ * options' CPU kernels serve it, and the CUDA fast kernels compiled with their option code. */
+static inline int msda_uses_options(const msda_problem *pr) {
     return !pr->uniform_points || (pr->flags & MSDA_NEAREST);
 }
 
@@ -131,7 +132,7 @@ static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block,
 typedef struct {
     int kernel;  /* MSDA_FWD_ROUTE_NONE .. MSDA_FWD_ROUTE_WIDE (c/msda.h) */
     int group;   /* fast kernels: threads an item (C / 4, C / 8 in the wide form); 0 generic */
-    int options; /* fast kernels: compiled with the option code (msda_needs_general) */
+    int options; /* fast kernels: compiled with the option code (msda_uses_options) */
     unsigned int blocks; /* gridDim.x */
 } msda_forward_plan;
 
@@ -139,7 +140,7 @@ typedef struct {
     int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_AGGREGATED (c/msda.h) */
     int modifiers;  /* MSDA_ROUTE_DETERMINISTIC | MSDA_ROUTE_F32_WORKSPACE */
     int group;      /* fast kernels: G = C / 4 threads an item (0 for the generic kernel) */
-    int options;    /* fast kernels: compiled with the option code (msda_needs_general) */
+    int options;    /* fast kernels: compiled with the option code (msda_uses_options) */
     int slices;     /* gridDim.y: slices of each item's points */
     unsigned int blocks; /* gridDim.x */
 } msda_backward_plan;

@@ -25,7 +25,7 @@ void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan 
     const int G = aligned16 ? msda_fast_group(pr) : 0;
     /* half types in encoders: 8 channels a thread, half the threads an item */
     const int wide = is_half(pr->dtype) && G >= 2 && items >= MSDA_FWD_WIDE_MIN_ITEMS;
-    plan->options = msda_needs_general(pr);
+    plan->options = msda_uses_options(pr);
     plan->group = wide ? G / 2 : G;
     if (pr->B * pr->Q == 0) {
         plan->kernel = MSDA_FWD_ROUTE_NONE;
@@ -70,7 +70,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     plan->modifiers = (det ? MSDA_ROUTE_DETERMINISTIC : 0) |
                       (msda_backward_f32_workspace(pr, sm90_code) ? MSDA_ROUTE_F32_WORKSPACE : 0);
     plan->group = 0;
-    plan->options = msda_needs_general(pr);
+    plan->options = msda_uses_options(pr);
     plan->slices = 1;
     plan->blocks = 1;
     if (pr->B * pr->Q == 0) {

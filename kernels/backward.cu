@@ -54,7 +54,7 @@ bool sm90_code(int device) {
     return known[device] == 2;
 }
 
-msda_backward_plan plan_of(const msda_problem *pr) {
+msda_backward_plan backward_plan_of(const msda_problem *pr) {
     const bool sm90 = sm90_code(pr->device);
     /* with MSDA_ROUTE_F32_WORKSPACE the kernels write the workspace instead of grad_value */
     const void *written = msda_backward_f32_workspace(pr, sm90) ? pr->workspace : pr->grad_value;

@@ -21,7 +21,7 @@ int sm_count(int device);
  * Asked once per device; false where the question fails. */
 bool sm90_code(int device);
 /* The route of this call (c/routes.c chooses; msda_backward_route reports the same plan). */
-msda_backward_plan plan_of(const msda_problem *pr);
+msda_backward_plan backward_plan_of(const msda_problem *pr);
 /* The first `bytes` of grad_value = 0 on the stream (nothing to do for 0 bytes or without
  * grad_value). In the launchers below `bytes` is what is still to be zeroed: 0 when the caller
  * zeroed it already or needs no zeroing. */
@@ -65,7 +65,7 @@ static cudaError_t launch_aggregated(const msda_problem *pr, const msda_backward
 /* The fast kernels of a plan (G = plan.group): one case per route. A route this instantiation
  * does not build (the plan and the if constexpr below disagree) is a library bug. */
 template <typename T, int G, bool DET>
-static cudaError_t launch_fast(const msda_problem *pr, const msda_backward_plan &plan,
+static cudaError_t launch_fast_backward(const msda_problem *pr, const msda_backward_plan &plan,
                                cudaStream_t stream, int64_t bytes) {
     const dim3 grid(plan.blocks, plan.slices);
     switch (plan.kernel) {
@@ -115,7 +115,7 @@ static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_pl
     if constexpr (HasFast<T>::value) {
         if (plan.group)
             return with_group(plan.group, [&](auto g) {
-                return launch_fast<T, decltype(g)::value, DET>(pr, plan, stream, bytes);
+                return launch_fast_backward<T, decltype(g)::value, DET>(pr, plan, stream, bytes);
             });
     }
     if (plan.kernel != MSDA_ROUTE_GENERIC) return cudaErrorNotSupported;
@@ -128,7 +128,7 @@ static cudaError_t launch_kernels(const msda_problem *pr, const msda_backward_pl
 template <typename T>
 static cudaError_t launch_backward(const msda_problem *pr, cudaStream_t stream) {
     const int64_t n_value = pr->B * pr->S * pr->H * pr->C;
-    const msda_backward_plan plan = plan_of(pr);
+    const msda_backward_plan plan = backward_plan_of(pr);
     if (plan.modifiers & MSDA_ROUTE_F32_WORKSPACE) {
         if constexpr (IsHalf<T>::value) {
             /* the kernels zero the f32 buffer (as they would grad_value) and scatter into it,

@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
 // launcher
 
 /* The route of this call (c/routes.c chooses; msda_forward_route reports the same plan). */
-static msda_forward_plan plan_of(const msda_problem *pr) {
+static msda_forward_plan forward_plan_of(const msda_problem *pr) {
     msda_forward_plan plan;
     msda_plan_forward(pr, aligned16(pr->value) && aligned16(pr->output), &plan);
     return plan;
@@ -150,7 +150,7 @@ static cudaError_t launch_form(const msda_problem *pr, const msda_forward_plan &
 /* The fast kernels of a plan (G = plan.group threads an item). A route this instantiation does
  * not build (the plan and the if constexpr below disagree) is a library bug. */
 template <typename T, int G>
-static cudaError_t launch_fast(const msda_problem *pr, const msda_forward_plan &plan,
+static cudaError_t launch_fast_forward(const msda_problem *pr, const msda_forward_plan &plan,
                                cudaStream_t stream) {
     switch (plan.kernel) {
     case MSDA_FWD_ROUTE_FAST:
@@ -167,7 +167,7 @@ static cudaError_t launch_fast(const msda_problem *pr, const msda_forward_plan &
 }
 
 template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStream_t stream) {
-    const msda_forward_plan plan = plan_of(pr);
+    const msda_forward_plan plan = forward_plan_of(pr);
     if (plan.kernel == MSDA_FWD_ROUTE_NONE) return cudaSuccess;
     if (plan.kernel == MSDA_FWD_ROUTE_GENERIC) {
         msda_forward_kernel<T><<<plan.blocks, 256, 0, stream>>>(*pr);
@@ -175,7 +175,7 @@ template <typename T> static cudaError_t launch(const msda_problem *pr, cudaStre
     }
     if constexpr (HasFast<T>::value)
         return with_group(plan.group, [&](auto g) {
-            return launch_fast<T, decltype(g)::value>(pr, plan, stream);
+            return launch_fast_forward<T, decltype(g)::value>(pr, plan, stream);
         });
     return cudaErrorNotSupported;
 }

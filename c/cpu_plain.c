@@ -1,10 +1,11 @@
-/* c/cpu_kernels.c: MSDA forward and backward on the CPU (math: c/msda.h), threaded with OpenMP;
- * the per-dtype kernels are cpu_kernels.inc, included once per element type. A "row" is the C
- * channels of value[b, s, h, :].
- * Geometry (cpu_geometry.inc): a (b, q, h)'s points are located 16 at a time in one vectorised
- *   loop, in double, where x, the cell, the fraction and the corner offsets are exact (fx
- *   rounded once); each point's level from a per-call table. A corner outside its level or
- *   [0, S) reads a zero row with weight 0.
+/* c/cpu_plain.c: the tuned plain op, MSDA forward and backward on the CPU (math: c/msda.h)
+ * for uniform points and bilinear sampling (the options: c/cpu_options.c), threaded with
+ * OpenMP; the per-dtype kernels are cpu_plain.inc, included once per element type. A "row" is
+ * the C channels of value[b, s, h, :].
+ * Geometry (cpu_plain_geometry.inc): a (b, q, h)'s points are located 16 at a time in one
+ *   vectorised loop, in double, where x, the cell, the fraction and the corner offsets are
+ *   exact (fx rounded once); each point's level from a per-call table. A corner outside its
+ *   level or [0, S) reads a zero row with weight 0.
  * Query order (query_order): a decoder's queries (Q != S, Q <= 4096) are walked in Z-order of
  *   where they sample (a stable radix sort), so neighbouring queries share lines and pages; the
  *   out-of-order rows are prefetched two queries ahead. The order depends on the inputs only.
@@ -18,7 +19,7 @@
  *   tree; grad_value rows updated in place; rows prefetched ahead.
  * Numerics: f32 accumulation for f32/f16/bf16 (half values converted as loaded), f64 for f64.
  *   With MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write their
- *   gradients as float32 (POINTS_F32 and friends, c/half.h; the test: cpu_geometry.inc).
+ *   gradients as float32 (POINTS_F32 and friends, c/half.h; the test: cpu_plain_geometry.inc).
  *   Results do not depend on the thread count or the split: each grad_value row gets its terms
  *   in query order, the point gradients come from one compiled loop; only FMA contraction
  *   (x86-64-v3/v4 clones against the baseline) changes the last bits between machines.
@@ -252,7 +253,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define REDUCE3 reduce3_v8f
 #define CHUNK 32
 #define HALF_STORAGE 0
-#include "cpu_kernels.inc"
+#include "cpu_plain.inc"
 
 #define SCALAR double
 #define ACC double
@@ -263,7 +264,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define REDUCE3 reduce3_v4d
 #define CHUNK 16
 #define HALF_STORAGE 0
-#include "cpu_kernels.inc"
+#include "cpu_plain.inc"
 
 #define SCALAR uint16_t
 #define ACC float
@@ -274,7 +275,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define REDUCE3 reduce3_v8f
 #define CHUNK 32
 #define HALF_STORAGE 1
-#include "cpu_kernels.inc"
+#include "cpu_plain.inc"
 
 #define SCALAR uint16_t
 #define ACC float
@@ -285,19 +286,19 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 #define REDUCE3 reduce3_v8f
 #define CHUNK 32
 #define HALF_STORAGE 1
-#include "cpu_kernels.inc"
+#include "cpu_plain.inc"
 
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-int msda_cpu_forward(const msda_problem *pr) {
+int msda_cpu_plain_forward(const msda_problem *pr) {
     static const cpu_kernel kernels[4] = {
         [MSDA_F32] = forward_f32, [MSDA_F64] = forward_f64,
         [MSDA_F16] = forward_f16, [MSDA_BF16] = forward_bf16};
     return run_kernel(pr, "msda_forward", kernels);
 }
 
-int msda_cpu_backward(const msda_problem *pr) {
+int msda_cpu_plain_backward(const msda_problem *pr) {
     static const cpu_kernel kernels[4] = {
         [MSDA_F32] = backward_f32, [MSDA_F64] = backward_f64,
         [MSDA_F16] = backward_f16, [MSDA_BF16] = backward_bf16};
