@@ -219,7 +219,7 @@ wheel: $(if $(ZIG),$(PORTABLE_LIB),$(LIB))
 	    import _build_backend; print("built " + sys.argv[1] + "/" + _build_backend.build_wheel(sys.argv[1]))' $(DIST)
 
 # ---- tests -------------------------------------------------------------------------------------
-$(BUILD)/test_c_api: tests/c/test_c_api.c $(LIB) c/msda.h c/half.h
+$(BUILD)/test_c_api: tests/c/test_c_api.c $(LIB) c/msda.h c/dtypes.h
 	$(CC) -std=c11 -O1 -Wall -Ic $< -o $@ -L$(BUILD) -lpymsda -Wl,-rpath,'$$ORIGIN' -lm
 
 test-c: $(BUILD)/test_c_api

@@ -9,7 +9,7 @@
  * gradients of its (b, *, h) points: no two threads write the same element, no atomics, and the
  * results do not depend on the thread count (the CPU backward is deterministic).
  * Numerics: ACC (accumulation) is f32 for f32/f16/bf16 and f64 for f64; positions are
- * computed in double, where they are exact. Halves are converted as they are loaded (half.h), the
+ * computed in double, where they are exact. Halves are converted as they are loaded (dtypes.h), the
  * grad_output row once per (b, q, h). Channel loops are innermost and contiguous. With
  * MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write
  * their gradients as float32, testing the flag per point, outside the channel loops.
@@ -157,46 +157,24 @@ static int run_tasks(const cpu_tables *cx, const char *fn, options_task task, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// kernels, once per element type (SCALAR storage, ACC accumulation)
+// kernels, once per element type (c/cpu_instances.inc: a row of the dtype table each)
 
-#define SUFFIX f32
-#define SCALAR float
-#define ACC float
-#define HALF_STORAGE 0
-#include "cpu_options.inc"
-
-#define SUFFIX f64
-#define SCALAR double
-#define ACC double
-#define HALF_STORAGE 0
-#include "cpu_options.inc"
-
-#define SUFFIX f16
-#define SCALAR uint16_t
-#define ACC float
-#define HALF_STORAGE 1
-#include "cpu_options.inc"
-
-#define SUFFIX bf16
-#define SCALAR uint16_t
-#define ACC float
-#define HALF_STORAGE 1
-#include "cpu_options.inc"
+#define CPU_TEMPLATE "cpu_options.inc"
+#include "cpu_instances.inc"
 
 // ---------------------------------------------------------------------------------------------
 // entry points
 
+#define FORWARD_OF(code, suffix, ...) [code] = MSDA_CAT(options_forward, suffix),
+#define BACKWARD_OF(code, suffix, ...) [code] = MSDA_CAT(options_backward, suffix),
+
 int msda_cpu_options_forward(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {
-        [MSDA_F32] = options_forward_f32, [MSDA_F64] = options_forward_f64,
-        [MSDA_F16] = options_forward_f16, [MSDA_BF16] = options_forward_bf16};
+    static const cpu_kernel kernels[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(FORWARD_OF)};
     return run_kernel(pr, "msda_forward", kernels);
 }
 
 int msda_cpu_options_backward(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {
-        [MSDA_F32] = options_backward_f32, [MSDA_F64] = options_backward_f64,
-        [MSDA_F16] = options_backward_f16, [MSDA_BF16] = options_backward_bf16};
+    static const cpu_kernel kernels[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(BACKWARD_OF)};
     if (!pr->grad_value && !pr->grad_sampling_locations && !pr->grad_attention_weights)
         return MSDA_OK;
     return run_kernel(pr, "msda_backward", kernels);

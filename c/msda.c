@@ -48,15 +48,6 @@ int msda_cuda_runs_on(int device) { return msda_cuda_kernels_run_on(device); }
 const char *msda_cuda_archs(void) { return msda_cuda_arch_list(); }
 int msda_cuda_version(void) { return msda_cuda_toolkit_version(); }
 
-int64_t msda_dtype_size(int dtype) {
-    switch (dtype) {
-    case MSDA_F32: return 4;
-    case MSDA_F64: return 8;
-    case MSDA_F16: return 2;
-    case MSDA_BF16: return 2;
-    default: return 0;
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // argument checks
@@ -113,6 +104,9 @@ static int set_points(const char *fn, msda_problem *pr, const int64_t *level_poi
     return MSDA_OK;
 }
 
+/* " MSDA_F32" ..., the dtype codes the table has, for the error text */
+#define DTYPE_NAME(code, ...) " " #code
+
 static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_points) {
     const struct { const char *name; int64_t v; int64_t min; } sizes[] = {
         {"B", pr->B, 0}, {"S", pr->S, 0}, {"H", pr->H, 1}, {"C", pr->C, 1},
@@ -155,7 +149,7 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
                               (long long)pr->P);
     if (msda_dtype_size(pr->dtype) == 0)
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
-                              "%s: dtype code %d is not one of MSDA_F32/F64/F16/BF16", fn,
+                              "%s: dtype code %d is not one of" MSDA_DTYPES(DTYPE_NAME), fn,
                               pr->dtype);
     if (pr->index_dtype != MSDA_I64 && pr->index_dtype != MSDA_I32)
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,

@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 
+#include "dtypes.h"
 #include "msda.h"
 
 #ifdef __cplusplus
@@ -52,8 +53,6 @@ int msda_set_error(int status, const char *fmt, ...)
 #endif
     ;
 
-/* Bytes of one element of `dtype` (0 for an unknown code). */
-int64_t msda_dtype_size(int dtype);
 /* Bytes of one element of sampling_locations, attention_weights and their gradients. */
 static inline int64_t msda_point_size(const msda_problem *pr) {
     return (pr->flags & MSDA_POINTS_F32) ? 4 : msda_dtype_size(pr->dtype);

@@ -5,10 +5,10 @@
  * are in kernels/TUNING.md. */
 #include "msda_internal.h"
 
-static int is_half(int dtype) { return dtype == MSDA_F16 || dtype == MSDA_BF16; }
+static int is_half(int dtype) { return msda_dtype_half(dtype); }
 
 int msda_fast_group(const msda_problem *pr) {
-    if (pr->dtype == MSDA_F64 || pr->C % 4 != 0) return 0;
+    if (!msda_dtype_acc_f32(pr->dtype) || pr->C % 4 != 0) return 0;
     const int64_t G = pr->C / 4;
     if (G > 32 || (G & (G - 1)) != 0) return 0;
     /* the fast kernels' offsets and items are int32, and an item index is a block's first

@@ -99,9 +99,10 @@ cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t by
 // ---------------------------------------------------------------------------------------------
 // entry points
 
+#define LAUNCHER_OF(code, suffix, ...) MSDA_CAT(msda_backward_launch, suffix),
+
 extern "C" int msda_cuda_backward(const msda_problem *pr) {
-    static const msda_launcher by_dtype[4] = {msda_backward_launch_f32, msda_backward_launch_f64,
-                                              msda_backward_launch_f16, msda_backward_launch_bf16};
+    static const msda_launcher by_dtype[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(LAUNCHER_OF)};
     return run_launcher("msda_backward", pr, by_dtype);
 }
 

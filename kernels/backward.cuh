@@ -33,11 +33,11 @@ cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_
 cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
                              const msda_problem *pr, cudaStream_t stream);
 
-/* One launcher per dtype (kernels/instances/backward_*.cu). */
-cudaError_t msda_backward_launch_f32(const msda_problem *pr, cudaStream_t stream);
-cudaError_t msda_backward_launch_f64(const msda_problem *pr, cudaStream_t stream);
-cudaError_t msda_backward_launch_f16(const msda_problem *pr, cudaStream_t stream);
-cudaError_t msda_backward_launch_bf16(const msda_problem *pr, cudaStream_t stream);
+/* One launcher per dtype, msda_backward_launch_<suffix> (kernels/instances/backward_*.cu). */
+#define MSDA_BACKWARD_LAUNCHER(code, suffix, ...)                                                 \
+    cudaError_t MSDA_CAT(msda_backward_launch, suffix)(const msda_problem *pr, cudaStream_t stream);
+MSDA_DTYPES(MSDA_BACKWARD_LAUNCHER)
+#undef MSDA_BACKWARD_LAUNCHER
 
 /* Most blocks of the grid-stride kernels of kernels/backward_aux.cuh (256 threads a block). */
 static constexpr int64_t kAuxMaxBlocks = 65536;
