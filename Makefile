@@ -152,7 +152,7 @@ $(BUILD)/%.o: c/%.c $(wildcard c/*.h c/*.inc) $(BUILD)/config | $(BUILD) $(BUILD
 	$(call say,CC    $<)
 	$(Q)$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh) c/msda.h c/msda_internal.h $(BUILD)/config | $(BUILD) $(BUILD)/started
+$(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh c/*.h) $(BUILD)/config | $(BUILD) $(BUILD)/started
 	@mkdir -p $(dir $@)
 	$(call say,NVCC  $< ($(words $(ARCH_LIST)) targets))
 	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@

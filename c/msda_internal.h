@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "dtypes.h"
+#include "launch.h"
 #include "msda.h"
 
 #ifdef __cplusplus
@@ -114,14 +115,12 @@ static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block,
 #define MSDA_MAX_GRID_BLOCKS 0x7fffffff
 
 /* ---- the CUDA routes (c/routes.c; the launchers in kernels/ switch on them) ----------------
- * Constants the host plans with and the kernels are built with. */
+ * Constants the host plans with and the kernels are built with (the block sizes: c/launch.h). */
 /* the fast kernels' level table (in shared memory) */
 #define MSDA_FAST_MAX_LEVELS 16
-/* Forward: threads a block of the wide kernels (8 channels a thread), the fastest of 64, 128 and
- * 256 (kernels/TUNING.md, forward v20; the 4-channel kernels take 256), and the items from which
- * half types take them: encoders gain, a decoder's few thousand items would fill too few
- * threads (forward v8, v10). */
-#define MSDA_FWD_WIDE_THREADS 128
+/* Forward: the items from which half types take the wide kernels (8 channels a thread, their
+ * block: c/launch.h): encoders gain, a decoder's few thousand items would fill too few threads
+ * (kernels/TUNING.md, forward v8, v10). */
 #define MSDA_FWD_WIDE_MIN_ITEMS 65536
 /* Backward: the per-point kernel's blocks a multiprocessor holds (its launch bound), the most
  * slices an item's points are split into. */

@@ -1,8 +1,8 @@
 /* c/routes.c: which kernel serves a CUDA forward or backward (the routes of c/msda.h), chosen
  * here and only here. Plain C, in every build: the CUDA launchers (kernels/forward.cu,
  * kernels/backward.cuh) switch on the plan, msda_forward_route and msda_backward_route report
- * it, and a CPU-only build can still be asked what a GPU would run. The numbers behind each rule
- * are in kernels/TUNING.md. */
+ * it, and a CPU-only build can still be asked what a GPU would run. Each grid is sized with the
+ * block sizes of c/launch.h. The numbers behind each rule are in kernels/TUNING.md. */
 #include "msda_internal.h"
 
 static int is_half(int dtype) { return msda_dtype_half(dtype); }
@@ -31,13 +31,14 @@ void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan 
         plan->kernel = MSDA_FWD_ROUTE_NONE;
         plan->group = 0;
         plan->blocks = 1;
-    } else if (G == 0) { /* one warp an item, 8 a block */
+    } else if (G == 0) {
         plan->kernel = MSDA_FWD_ROUTE_GENERIC;
-        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_GENERIC_BLOCK_ITEMS, MSDA_MAX_GRID_BLOCKS);
     } else {
         plan->kernel = wide ? MSDA_FWD_ROUTE_WIDE : MSDA_FWD_ROUTE_FAST;
-        const int threads = wide ? MSDA_FWD_WIDE_THREADS : 256;
-        plan->blocks = msda_grid_blocks(items, threads / plan->group, MSDA_MAX_GRID_BLOCKS);
+        const int threads = wide ? MSDA_FWD_WIDE_THREADS : MSDA_BLOCK_THREADS;
+        plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(threads, plan->group),
+                                        MSDA_MAX_GRID_BLOCKS);
     }
 }
 
@@ -80,8 +81,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     const int G = aligned16 ? msda_fast_group(pr) : 0;
     if (G == 0) {
         plan->kernel = MSDA_ROUTE_GENERIC;
-        /* 8 warps a block, one warp an item */
-        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_GENERIC_BLOCK_ITEMS, MSDA_MAX_GRID_BLOCKS);
         return;
     }
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
@@ -89,12 +89,12 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
      * backward v53) */
     const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
-    plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
+    plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(MSDA_BLOCK_THREADS, G),
+                                    MSDA_MAX_GRID_BLOCKS);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
-        /* two items a group of G threads */
-        plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_AGG_BLOCK_ITEMS(G), MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !plan->options && plan->slices > 1 && pr->dtype != MSDA_F16) {
         /* sliced points scattered after the zeroing: faster than the per-point kernel with
@@ -102,9 +102,10 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
          * "Re-measured in the redesign": POINT_SLICED) */
         plan->kernel = MSDA_ROUTE_POINT_SLICED;
     } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
-        /* 2 channels a thread: twice the threads of the 4-channel form */
+        /* 2 channels a thread: groups of 2 * G threads, twice the 4-channel form's */
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
-        plan->blocks = msda_grid_blocks(items, 256 / (2 * G), MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(MSDA_BLOCK_THREADS, 2 * G),
+                                        MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_BF16) {
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;

@@ -69,7 +69,7 @@ cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_
     return cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
 }
 
-cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
+cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int threads, int64_t bytes,
                              const msda_problem *pr, cudaStream_t stream) {
     bool pdl = false;
     if (bytes > 0 && pr->grad_value) {
@@ -89,7 +89,7 @@ cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t by
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(256);
+    cfg.blockDim = dim3(threads);
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;

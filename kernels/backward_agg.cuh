@@ -70,8 +70,8 @@ __device__ __forceinline__ int next_slot_of(const int2 *s_meta, int2 &m) {
  * chunk (4 for C = 32, one level of Deformable DETR's points), NS corner slots, a hash table of
  * HS = NS positions (at most NS distinct rows). */
 template <int G> struct StageAgg {
-    static constexpr int NT = 256;      /* threads a block */
-    static constexpr int GPB = 256 / G; /* groups per block */
+    static constexpr int NT = MSDA_BLOCK_THREADS; /* threads a block */
+    static constexpr int GPB = NT / G;            /* groups per block */
     static constexpr int K0 = G < 2 ? 2 : (G > 16 ? 16 : G);
     static constexpr int MUL = K0 >= 2 ? 2 : 1; /* items per group */
     static constexpr int IPB = GPB * MUL;       /* items per block */
@@ -83,7 +83,8 @@ template <int G> struct StageAgg {
     static constexpr int HS = NS;          /* hash positions */
     static constexpr int HBITS = HS >= 2048 ? 11 : (HS >= 1024 ? 10 : 9);
     static_assert((1 << HBITS) == HS, "HS is a power of two");
-    static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
+    static_assert(G < 2 || NS % NT == 0, "every thread files the same number of slots");
+    static_assert(IPB == MSDA_AGG_BLOCK_ITEMS(G), "c/routes.c sizes the grid for these items");
 };
 
 /* Aggregated backward (G >= 4; c/routes.c chooses it where Q * NP >= 2 * S). A block holds
@@ -160,7 +161,7 @@ __device__ __forceinline__ void agg_load_grad_output(AggShared<G> &sm, const T *
  * by warp. */
 template <int G> __device__ __forceinline__ void agg_file_corners(AggShared<G> &sm, int lane) {
     typedef StageAgg<G> St;
-    for (int j = threadIdx.x; j < St::NS; j += 256) { /* same trip count in every lane */
+    for (int j = threadIdx.x; j < St::NS; j += St::NT) { /* same trip count in every lane */
         const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
         const int o = reinterpret_cast<const int *>(&sm.offs[il * St::STRIDE + k])[c];
         unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
@@ -206,15 +207,15 @@ template <int G> __device__ __forceinline__ void agg_file_corners(AggShared<G> &
 template <int G>
 __device__ __forceinline__ void agg_sort_entries(AggShared<G> &sm, int nent, int lane) {
     typedef StageAgg<G> St;
-    constexpr int EPT = St::NS / 256; /* entries per thread at most */
+    constexpr int EPT = St::NS / St::NT; /* entries per thread at most */
     int bucket[EPT], rank[EPT], entry[EPT];
 #pragma unroll
     for (int r = 0; r < EPT; r++) {
-        const int e = threadIdx.x + r * 256;
+        const int e = threadIdx.x + r * St::NT;
         bucket[r] = -1, rank[r] = 0, entry[r] = 0;
         /* a warp with no entry in this round skips it whole: rows are a seventh
          * of the slots, so most warps have none past the first round */
-        if ((threadIdx.x & ~31) + r * 256 >= nent) continue;
+        if ((threadIdx.x & ~31) + r * St::NT >= nent) continue;
         int b = -1; /* -1: no entry */
         entry[r] = e < nent ? sm.ent[e] : 0;
         if (e < nent) { /* segment length, estimated from the row's count */
@@ -250,7 +251,7 @@ __device__ __forceinline__ void agg_sort_entries(AggShared<G> &sm, int nent, int
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < EPT; r++) {
-        const int e = threadIdx.x + r * 256;
+        const int e = threadIdx.x + r * St::NT;
         if (e < nent) sm.ent[sm.bucket[bucket[r]] + rank[r]] = (short)entry[r];
     }
     __syncthreads();
@@ -265,7 +266,7 @@ template <typename T, int G, bool DET, bool FULL>
 __device__ __forceinline__ void agg_walk(const msda_problem &pr, AggShared<G> &sm, int nent,
                                          bool point_grads, long long *det_acc, float scale) {
     typedef StageAgg<G> St;
-    constexpr int WG = G / 2, WPB = 256 / WG;
+    constexpr int WG = G / 2, WPB = St::NT / WG;
     const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
     /* half sums straight into grad_value where the code has half atomics */
     constexpr bool NATIVE = NativeHalf<T, false>::value;
@@ -300,7 +301,7 @@ __device__ __forceinline__ void agg_walk(const msda_problem &pr, AggShared<G> &s
 /* The table emptied (the next chunk's barrier orders this before its filing). */
 template <int G> __device__ __forceinline__ void agg_clear_table(AggShared<G> &sm, int nent) {
     typedef StageAgg<G> St;
-    for (int e = threadIdx.x; e < nent; e += 256) {
+    for (int e = threadIdx.x; e < nent; e += St::NT) {
         const int hp = sm.ent[e];
         if (hp < St::HS) sm.key[hp] = -1, sm.head[hp] = -1, sm.cnt2[hp >> 1] = 0;
     }
@@ -316,7 +317,7 @@ __device__ __forceinline__ void agg_point_gradients(const msda_problem &pr, AggS
                                                     const PointTensor<T, P> &grad_attn,
                                                     bool nearest) {
     typedef StageAgg<G> St;
-    for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+    for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
         const int il = j / St::K, k = j % St::K;
         if (base + il >= n_items || k >= kn) continue;
         const int4 o4 = sm.offs[il * St::STRIDE + k];
@@ -363,7 +364,7 @@ template <bool DET, typename P> using AggregatedWithOptions = AggForm<true, DET,
 template <typename P> using AggregatedAllGradients = AggForm<false, false, true, P>;
 
 template <typename T, int G, typename Form>
-__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
     constexpr bool OPT = Form::OPT, DET = Form::DET, FULL = Form::FULL;
     typedef typename Form::P P;
     typedef StageAgg<G> St;
@@ -383,8 +384,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         scale = (float)det_scale(pr, (const DetHeader *)pr.workspace);
     }
     load_levels(pr, sm.lvl);
-    for (int j = threadIdx.x; j < St::HS; j += 256) sm.key[j] = -1, sm.head[j] = -1;
-    for (int j = threadIdx.x; j < St::HS / 2; j += 256) sm.cnt2[j] = 0;
+    for (int j = threadIdx.x; j < St::HS; j += St::NT) sm.key[j] = -1, sm.head[j] = -1;
+    for (int j = threadIdx.x; j < St::HS / 2; j += St::NT) sm.cnt2[j] = 0;
     if (threadIdx.x == 0) sm.nent = 0;
     if (threadIdx.x < MSDA_AGG_BUCKETS) sm.bucket[threadIdx.x] = 0;
     __syncthreads();

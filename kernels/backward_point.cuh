@@ -132,7 +132,7 @@ using PerPointSliced = PointForm<false, false, true, 4, false>;
 template <int CHANNELS> using PerPointPipelined = PointForm<false, false, false, CHANNELS, true>;
 
 template <typename T, int G, typename Form>
-__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr bool DET = Form::DET, OPT = Form::OPT, SPLIT = Form::SPLIT, PIPE = Form::PIPE;
     constexpr int V = Form::V;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             }
             if (point_grads) {
                 __syncthreads();
-                for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
+                for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
                     const int il = j / St::K, k = j % St::K;
                     if (base + il >= n_items || k >= kn) continue;
                     const int pidx = p0 + k;

@@ -7,7 +7,7 @@
  * load a corner, 128-thread blocks); the point loop unrolled 8 times; corner slots ordered by
  * pixel parity so neighbouring queries ask for shared pixels in the same load. Generic kernel
  * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets. c/routes.c chooses
- * (msda_plan_forward); the launcher switches on its plan.
+ * (msda_plan_forward); with_forward_kernel turns its plan into a kernel instance.
  * Numerics: f32 accumulation (f64 for f64), one rounding to the output type.
  * H100 (BENCHMARKS.md): ddetr_enc f32 / bf16 / f16 0.166 / 0.119 / 0.118 ms, dino_dec900 0.020 /
  * 0.015 / 0.015, m2f_enc 0.150 / 0.113 / 0.110; why this form: kernels/TUNING.md. */
@@ -19,7 +19,7 @@
 // kernel
 
 template <typename T>
-__global__ void __launch_bounds__(256) msda_forward_kernel(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS) msda_forward_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
     const T *value = (const T *)pr.value;
     const PointTensor<T> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
@@ -65,7 +65,7 @@ static constexpr int kFwdUnroll = MSDA_FWD_UNROLL;
  * for 8 channels, c/msda_internal.h). A launch names one of the routes' forms below. */
 template <bool OPT_, int V_> struct ForwardForm {
     static constexpr bool OPT = OPT_;
-    static constexpr int V = V_, NT = V_ == 8 ? MSDA_FWD_WIDE_THREADS : 256;
+    static constexpr int V = V_, NT = V_ == 8 ? MSDA_FWD_WIDE_THREADS : MSDA_BLOCK_THREADS;
 };
 /* MSDA_FWD_ROUTE_FAST (4 channels a thread) and MSDA_FWD_ROUTE_WIDE (8), plain or with the
  * option code */
@@ -144,29 +144,48 @@ static msda_forward_plan forward_plan_of(const msda_problem *pr) {
     return plan;
 }
 
-template <typename T, int G, typename Form>
-static cudaError_t launch_form(const msda_problem *pr, const msda_forward_plan &plan,
-                               cudaStream_t stream) {
-    msda_forward_fast<T, G, Form><<<plan.blocks, Form::NT, 0, stream>>>(*pr);
-    return cudaSuccess;
-}
-
-/* The fast kernels of a plan (G = plan.group threads an item). A route this instantiation does
- * not build (the plan and the if constexpr below disagree) is a library bug. */
-template <typename T, int G>
-static cudaError_t launch_fast_forward(const msda_problem *pr, const msda_forward_plan &plan,
-                               cudaStream_t stream) {
-    switch (plan.kernel) {
-    case MSDA_FWD_ROUTE_FAST:
-        return plan.options ? launch_form<T, G, FastWithOptions>(pr, plan, stream)
-                            : launch_form<T, G, Fast>(pr, plan, stream);
-    case MSDA_FWD_ROUTE_WIDE: /* half types, 2 <= C / 4 <= 32 */
-        if constexpr (IsHalf<T>::value && G <= 16)
-            return plan.options ? launch_form<T, G, WideWithOptions>(pr, plan, stream)
-                                : launch_form<T, G, Wide>(pr, plan, stream);
-        break;
-    default: break;
+/* The kernels a forward route names, as types: `threads` a block, `block_items` items a block
+ * (c/routes.c sizes the grid, plan.blocks, for them: c/launch.h), and their launch. */
+template <typename T> struct GenericForward {
+    static constexpr int threads = MSDA_BLOCK_THREADS, block_items = MSDA_GENERIC_BLOCK_ITEMS;
+    static cudaError_t launch(const msda_problem *pr, const msda_forward_plan &plan,
+                              cudaStream_t stream) {
+        msda_forward_kernel<T><<<plan.blocks, threads, 0, stream>>>(*pr);
+        return cudaSuccess;
     }
+};
+template <typename T, int G, typename Form> struct FastForward {
+    static constexpr int threads = Form::NT, block_items = Stage<G, Form::NT>::IPB;
+    static cudaError_t launch(const msda_problem *pr, const msda_forward_plan &plan,
+                              cudaStream_t stream) {
+        msda_forward_fast<T, G, Form><<<plan.blocks, threads, 0, stream>>>(*pr);
+        return cudaSuccess;
+    }
+};
+
+/* f(K()) for the kernel type K of a plan (not MSDA_FWD_ROUTE_NONE): the one place where a
+ * route becomes a template instance, so the choice and the instances it needs stay together
+ * (flash-attention's static switch). A plan no instance serves is cudaErrorNotSupported, a
+ * library bug: tests/c/test_launch_shapes.cu asks this function about every route. */
+template <typename T, typename F>
+static cudaError_t with_forward_kernel(const msda_forward_plan &plan, F &&f) {
+    if (plan.kernel == MSDA_FWD_ROUTE_GENERIC) return f(GenericForward<T>());
+    if constexpr (HasFast<T>::value)
+        return with_group(plan.group, [&](auto g) -> cudaError_t {
+            constexpr int G = decltype(g)::value;
+            switch (plan.kernel) {
+            case MSDA_FWD_ROUTE_FAST:
+                return plan.options ? f(FastForward<T, G, FastWithOptions>())
+                                    : f(FastForward<T, G, Fast>());
+            case MSDA_FWD_ROUTE_WIDE: /* half types, 2 <= C / 4 <= 32: G = C / 8 */
+                if constexpr (IsHalf<T>::value && G <= 16)
+                    return plan.options ? f(FastForward<T, G, WideWithOptions>())
+                                        : f(FastForward<T, G, Wide>());
+                break;
+            default: break;
+            }
+            return cudaErrorNotSupported;
+        });
     return cudaErrorNotSupported;
 }
 
@@ -174,15 +193,9 @@ template <typename T>
 static cudaError_t launch_forward(const msda_problem *pr, cudaStream_t stream) {
     const msda_forward_plan plan = forward_plan_of(pr);
     if (plan.kernel == MSDA_FWD_ROUTE_NONE) return cudaSuccess;
-    if (plan.kernel == MSDA_FWD_ROUTE_GENERIC) {
-        msda_forward_kernel<T><<<plan.blocks, 256, 0, stream>>>(*pr);
-        return cudaSuccess;
-    }
-    if constexpr (HasFast<T>::value)
-        return with_group(plan.group, [&](auto g) {
-            return launch_fast_forward<T, decltype(g)::value>(pr, plan, stream);
-        });
-    return cudaErrorNotSupported;
+    return with_forward_kernel<T>(plan, [&](auto kernel) {
+        return decltype(kernel)::launch(pr, plan, stream);
+    });
 }
 
 /* One launcher per dtype, msda_forward_launch_<suffix> (kernels/instances/forward_*.cu). */
