@@ -56,13 +56,15 @@ static inline int msda_dtype_half(int dtype) {
     switch (dtype) { MSDA_DTYPES(MSDA_DTYPE_HALF_CASE) default: return 0; }
 #undef MSDA_DTYPE_HALF_CASE
 }
-/* 1 for a type accumulated in f32 (the fast CUDA kernels serve it), 0 otherwise. */
-static inline int msda_dtype_acc_f32(int dtype) {
+/* Bytes of `dtype`'s accumulation type (0 for an unknown code). */
+static inline int64_t msda_dtype_acc_size(int dtype) {
 #define MSDA_DTYPE_ACC_CASE(code, suffix, cpu_type, acc_type, cuda_type, half) \
-    case code: return sizeof(acc_type) == sizeof(float);
+    case code: return (int64_t)sizeof(acc_type);
     switch (dtype) { MSDA_DTYPES(MSDA_DTYPE_ACC_CASE) default: return 0; }
 #undef MSDA_DTYPE_ACC_CASE
 }
+/* 1 for a type accumulated in f32 (the fast CUDA kernels serve it), 0 otherwise. */
+static inline int msda_dtype_acc_f32(int dtype) { return msda_dtype_acc_size(dtype) == 4; }
 
 #if !defined(__CUDACC__)
 /* ---- the CPU's element loads and stores -----------------------------------------------------

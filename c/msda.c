@@ -117,6 +117,9 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
             return msda_set_error(MSDA_ERR_INVALID_ARGUMENT, "%s: size %s = %lld must be >= %lld",
                                   fn, sizes[i].name, (long long)sizes[i].v,
                                   (long long)sizes[i].min);
+    /* c/msda.h, Flags: the name MSDA_REMOVED_SOFTMAX goes at the next ABI bump; bit 2 is then
+     * still refused here (as the literal 2), with this text. */
+    _Static_assert(MSDA_ABI_VERSION == 9, "ABI bump: retire the name MSDA_REMOVED_SOFTMAX");
     if (pr->flags & MSDA_REMOVED_SOFTMAX)
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
                               "%s: flags = %d has bit 2, the fused softmax, which the library no "
@@ -128,10 +131,10 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
                               "%s: flags = %d has bits outside MSDA_NEAREST | "
                               "MSDA_DETERMINISTIC | MSDA_POINTS_F32",
                               fn, pr->flags);
-    if ((pr->flags & MSDA_POINTS_F32) && pr->dtype != MSDA_F16 && pr->dtype != MSDA_BF16)
+    if ((pr->flags & MSDA_POINTS_F32) && !msda_dtype_half(pr->dtype))
         return msda_set_error(MSDA_ERR_INVALID_ARGUMENT,
-                              "%s: MSDA_POINTS_F32 needs dtype MSDA_F16 or MSDA_BF16 (got dtype "
-                              "code %d)",
+                              "%s: MSDA_POINTS_F32 needs a half-precision dtype such as MSDA_F16 "
+                              "or MSDA_BF16 (got dtype code %d)",
                               fn, pr->dtype);
     int st = set_points(fn, pr, level_points);
     if (st != MSDA_OK) return st;
@@ -183,8 +186,9 @@ static int check_problem(const char *fn, msda_problem *pr, const int64_t *level_
 static int check_alignment(const char *fn, const msda_problem *pr) {
     const int64_t elem = msda_dtype_size(pr->dtype), point = msda_point_size(pr);
     const int64_t index = pr->index_dtype == MSDA_I64 ? 8 : 4;
-    /* grad_value: f32 for half types on the CPU, the element type on CUDA */
-    const int64_t acc = pr->device >= 0 ? elem : pr->dtype == MSDA_F64 ? 8 : 4;
+    /* grad_value: the accumulation type on the CPU (f32 for half types), the element type on
+     * CUDA */
+    const int64_t acc = pr->device >= 0 ? elem : msda_dtype_acc_size(pr->dtype);
     const struct { const char *name; const void *p; int64_t align; } ptrs[] = {
         {"value", pr->value, elem},
         {"spatial_shapes", pr->spatial_shapes, index},

@@ -8,8 +8,10 @@
  * G / 2 lanes, 8 channels a lane, one walker per row segment.
  * Numerics: f32 sums; per-point gradients from dots summed in a fixed order (bitwise repeatable);
  * grad_value per row and block by atomics, or fixed point with MSDA_DETERMINISTIC.
- * H100 (BENCHMARKS.md): ddetr_enc backward f32 / bf16 / f16 0.420 / 0.390 / 0.390 ms, m2f_enc
- * 0.365 / 0.331 / 0.332 (the per-point kernel: ~0.88 ms at ddetr_enc f32; kernels/TUNING.md). */
+ * Why: the rule (Q * NP >= 2 * S) sends encoders here, where the merged rows take about half
+ * the per-point kernel's time, and keeps decoders off, where it loses (kernels/TUNING.md,
+ * "Backward, aggregated (encoders)", v8-v40; "Backward, per-point and generic", v53); today's
+ * times: BENCHMARKS.md. */
 #pragma once
 
 #include "backward_agg_rows.cuh"

@@ -91,12 +91,6 @@ template <typename T, typename P = void> struct PointTensor {
 __device__ __forceinline__ float fma_acc(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ double fma_acc(double a, double b, double c) { return fma(a, b, c); }
 
-
-template <typename Acc> __device__ __forceinline__ Acc warp_max(Acc v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -9,8 +9,10 @@
  * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets. c/routes.c chooses
  * (msda_plan_forward); with_forward_kernel turns its plan into a kernel instance.
  * Numerics: f32 accumulation (f64 for f64), one rounding to the output type.
- * H100 (BENCHMARKS.md): ddetr_enc f32 / bf16 / f16 0.166 / 0.119 / 0.118 ms, dino_dec900 0.020 /
- * 0.015 / 0.015, m2f_enc 0.150 / 0.113 / 0.110; why this form: kernels/TUNING.md. */
+ * Why this form: each choice above is the fastest of those measured on the bench shapes
+ * (kernels/TUNING.md, Forward: staging v2-v7, corner addresses v9, 8 channels v10, pixel-parity
+ * slots v11, L2 prefetch v12, 128-thread wide blocks v20, unrolling v21); today's times:
+ * BENCHMARKS.md. */
 #pragma once
 
 #include "staging.cuh"
