@@ -38,7 +38,9 @@ CFLAGS   ?= -O3
 # leaves its channel loop scalar (2x slower).
 CPU_OPT_FLAGS := -ffp-contract=fast -fno-trapping-math $(shell $(CC) -fno-loop-unroll-and-jam -Werror -x c -c /dev/null -o /dev/null 2>/dev/null && echo -fno-loop-unroll-and-jam)
 ALL_CFLAGS  = $(CFLAGS) -std=c11 $(CPU_OPT_FLAGS) -fPIC -fvisibility=hidden -fopenmp -Wall -Wextra -Wno-unused-parameter
-ALL_LDFLAGS = $(LDFLAGS) -fopenmp
+# No OpenMP library is linked: c/omp_runtime.c finds the process's runtime when first needed
+# (libdl for dlopen on glibc before 2.34).
+ALL_LDFLAGS = $(LDFLAGS) -ldl
 
 # ---- what an earlier build of this folder chose -----------------------------------------------
 # (restored only when the user names none of the three, on the command line or in the environment)
@@ -123,7 +125,10 @@ Q := @
 say = @echo "  $(1)"
 endif
 
-C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_plain.o $(BUILD)/cpu_options.o
+# omp_runtime: the OpenMP entry points the kernels call, bound to the runtime found at run time;
+# ort_op, ort_cuda: ONNX Runtime's op (RegisterCustomOps, exported beside msda_*).
+C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_plain.o $(BUILD)/cpu_options.o \
+          $(BUILD)/omp_runtime.o $(BUILD)/ort_op.o $(BUILD)/ort_cuda.o
 
 # ---- targets -----------------------------------------------------------------------------------
 .PHONY: all info test test-c clean
@@ -157,7 +162,8 @@ $(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh c/*.h) $(BUILD)/config | $(B
 	$(call say,NVCC  $< ($(words $(ARCH_LIST)) targets))
 	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@
 
-# Only the msda_* symbols are exported; the static cudart and libstdc++ stay private.
+# Only the msda_* symbols and ONNX Runtime's RegisterCustomOps are exported; the static cudart
+# and libstdc++ stay private.
 $(LIB): $(C_OBJS) $(CUDA_OBJS)
 	$(call say,LINK  $@)
 	$(Q)$(CXX) -shared -o $@ $^ $(ALL_LDFLAGS) $(CUDA_LIBS) -static-libstdc++ -static-libgcc \
@@ -192,10 +198,10 @@ info:
 # compiler. The backend tags it by what the library needs: manylinux_2_28_<arch> for the portable
 # library below, else linux_<arch> (pymsda/_build_backend.py).
 # The portable library: the objects of $(LIB) relinked by zig's linker (pip install ziglang) against
-# glibc $(GLIBC_FLOOR)'s symbol versions, with zig's static libc++abi and libunwind, msda_* the only
-# exports, and no OpenMP library named: GOMP_* and omp_* bind to the runtime torch has loaded
-# (pymsda/_lib.py puts it in the global scope), so one OpenMP runtime serves the process whatever
-# torch calls its copy. gcc's libgcc.a goes first: the target_clones resolvers then read the
+# glibc $(GLIBC_FLOOR)'s symbol versions, with zig's static libc++abi and libunwind, msda_* and
+# RegisterCustomOps the only exports, and no OpenMP library named (as in $(LIB)): c/omp_runtime.c
+# binds the kernels' OpenMP calls at run time to the runtime the process has (torch's), else to
+# the system's libgomp.so.1, else runs them on one thread. gcc's libgcc.a goes first: the target_clones resolvers then read the
 # CPU-feature bits of the gcc that compiled them. Without zig, `make wheel` packs $(LIB) as it is.
 ifneq ($(filter wheel portable,$(MAKECMDGOALS)),)
 ZIG ?= $(shell $(PYTHON) -c 'import ziglang' 2>/dev/null && echo '$(PYTHON) -m ziglang')
@@ -207,9 +213,9 @@ DIST ?= dist
 portable: $(PORTABLE_LIB)
 $(PORTABLE_LIB): $(C_OBJS) $(CUDA_OBJS)
 	@$(if $(ZIG),mkdir -p $(dir $@),echo "zig not found: pip install ziglang" && exit 1)
-	@printf '{\n  global: msda_*;\n  local: *;\n};\n' > $(dir $@)exports.map
+	@printf '{\n  global: msda_*; RegisterCustomOps;\n  local: *;\n};\n' > $(dir $@)exports.map
 	$(call say,LINK  $@ (zig, glibc $(GLIBC_FLOOR)))
-	$(Q)$(ZIG) c++ -target $(shell uname -m)-linux-gnu.$(GLIBC_FLOOR) -shared -o $@ $^ $(CUDA_LIBS) -lm \
+	$(Q)$(ZIG) c++ -target $(shell uname -m)-linux-gnu.$(GLIBC_FLOOR) -shared -o $@ $^ $(CUDA_LIBS) -lm -ldl \
 	    $(shell $(CC) -print-libgcc-file-name) -Wl,--version-script=$(dir $@)exports.map
 
 wheel: $(if $(ZIG),$(PORTABLE_LIB),$(LIB))

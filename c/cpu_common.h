@@ -47,22 +47,25 @@ static inline cpu_level cpu_level_at(const msda_problem *pr, int64_t l) {
 /* ---- threads ------------------------------------------------------------------------------- */
 
 /* Threads for a call with `work` sampling points and `tasks` tasks: the caller's count
- * (torch.get_num_threads()), the OpenMP default when it passed <= 0, never more than `tasks`;
- * 1 for tiny calls (a team costs more than it saves) or when called from inside an OpenMP
- * parallel region (a nested team would oversubscribe). With 1 thread no OpenMP function is
- * called at all, which keeps a forked DataLoader worker (torch sets 1 thread there) clear of the
- * parent's thread pool, which fork does not copy. */
+ * (torch.get_num_threads()), the OpenMP default when it passed <= 0, or its pool's (a forward
+ * from ONNX Runtime); never more than `tasks`. 1 for tiny calls (a team costs more than it
+ * saves), when called from inside an OpenMP parallel region (a nested team would
+ * oversubscribe), or when no OpenMP runtime was found (c/omp_runtime.c). With 1 thread no
+ * OpenMP function is called at all, which keeps a forked DataLoader worker (torch sets 1 thread
+ * there) clear of the parent's thread pool, which fork does not copy. */
 static inline int cpu_threads(const msda_problem *pr, int64_t work, int64_t tasks) {
-#ifdef _OPENMP
     if (pr->num_threads == 1 || work < 2048 || tasks < 2) return 1;
-    if (omp_in_parallel()) return 1;
-    int n = pr->num_threads > 0 ? pr->num_threads : omp_get_max_threads();
+    int n = 1;
+    if (pr->pool) {
+        n = pr->pool->threads;
+    } else {
+#ifdef _OPENMP
+        if (!msda_openmp_available() || omp_in_parallel()) return 1;
+        n = pr->num_threads > 0 ? pr->num_threads : omp_get_max_threads();
+#endif
+    }
     if ((int64_t)n > tasks) n = (int)tasks;
     return n > 1 ? n : 1;
-#else
-    (void)pr, (void)work, (void)tasks;
-    return 1;
-#endif
 }
 
 /* This thread's number in its team, and the team's size (0 and 1 outside one). */
@@ -80,6 +83,21 @@ static inline int cpu_num_threads(void) {
 #else
     return 1;
 #endif
+}
+
+/* Runs fn(arg, i) for every worker i < threads: on the call's pool, else on an OpenMP team whose
+ * thread i runs worker i (a team smaller than asked runs fewer workers: the workers take their
+ * tasks from a shared counter, so those there do all of them). MSDA_OK or the pool's status. */
+static inline int cpu_run_workers(const msda_problem *pr, int threads,
+                                  void (*fn)(void *arg, size_t worker), void *arg) {
+    if (threads <= 1) {
+        fn(arg, 0);
+        return MSDA_OK;
+    }
+    if (pr->pool) return pr->pool->run(pr->pool->pool, fn, arg, (size_t)threads);
+#pragma omp parallel num_threads(threads)
+    fn(arg, (size_t)cpu_thread_num());
+    return MSDA_OK;
 }
 
 /* ---- dispatch ------------------------------------------------------------------------------

@@ -136,24 +136,39 @@ static inline void locate(options_sample *g, const cpu_tables *cx, int64_t point
 /* One task of a call (a forward row, a backward slice) with its thread's scratch. */
 typedef void (*options_task)(const cpu_tables *cx, int64_t task, void *scratch);
 
+/* The tasks of a call, handed out `chunk` at a time from a shared counter to its workers, each
+ * with scratch_bytes of scratch of its own. */
+typedef struct {
+    const cpu_tables *cx;
+    options_task task;
+    int64_t tasks, next, chunk, scratch_bytes;
+    char *scratch;
+} task_queue;
+
+static void run_queue(void *arg, size_t worker) {
+    task_queue *q = (task_queue *)arg;
+    void *scratch = q->scratch + (int64_t)worker * q->scratch_bytes;
+    for (;;) {
+        const int64_t begin = __atomic_fetch_add(&q->next, q->chunk, __ATOMIC_RELAXED);
+        if (begin >= q->tasks) break;
+        const int64_t end = begin + q->chunk < q->tasks ? begin + q->chunk : q->tasks;
+        for (int64_t t = begin; t < end; t++) q->task(q->cx, t, scratch);
+    }
+}
+
 /* Runs tasks [0, tasks) of a call with `work` sampling points, handed out `chunk` at a time to
  * the threads, each with scratch_bytes of its own scratch (a multiple of the element size). */
 static int run_tasks(const cpu_tables *cx, const char *fn, options_task task, int64_t tasks,
                      int64_t work, int64_t scratch_bytes, int chunk) {
     const int threads = cpu_threads(cx->pr, work, tasks);
-    char *scratch = (char *)malloc((size_t)threads * (size_t)scratch_bytes);
-    if (!scratch)
+    task_queue q = {cx, task, tasks, 0, chunk, scratch_bytes, NULL};
+    q.scratch = (char *)malloc((size_t)threads * (size_t)scratch_bytes);
+    if (!q.scratch)
         return msda_set_error(MSDA_ERR_INTERNAL, "%s: host malloc of %d x %lld scratch bytes "
                               "failed", fn, threads, (long long)scratch_bytes);
-    if (threads == 1) {
-        for (int64_t t = 0; t < tasks; t++) task(cx, t, scratch);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-        for (int64_t t = 0; t < tasks; t++)
-            task(cx, t, scratch + (int64_t)cpu_thread_num() * scratch_bytes);
-    }
-    free(scratch);
-    return MSDA_OK;
+    const int st = cpu_run_workers(cx->pr, threads, run_queue, &q);
+    free(q.scratch);
+    return st;
 }
 
 // ---------------------------------------------------------------------------------------------

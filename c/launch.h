@@ -21,5 +21,7 @@
 #define MSDA_STAGED_BLOCK_ITEMS(threads, G) ((threads) / (G))
 /* The aggregated backward: two items a group of G threads. */
 #define MSDA_AGG_BLOCK_ITEMS(G) (2 * MSDA_BLOCK_THREADS / (G))
+/* The direct kernels: `lanes` (G * SPLIT) lanes an item. */
+#define MSDA_DIRECT_BLOCK_ITEMS(lanes) (MSDA_BLOCK_THREADS / (lanes))
 
 #endif /* MSDA_LAUNCH_H */

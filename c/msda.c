@@ -269,11 +269,12 @@ static int read_checked(const char *fn, const msda_args *args, msda_problem *pr)
     return st;
 }
 
-int msda_forward(const msda_args *args) {
+int msda_forward_pooled(const msda_args *args, const msda_thread_pool *pool) {
     static const char fn[] = "msda_forward";
     msda_problem pr;
     const int st = read_checked(fn, args, &pr);
     if (st != MSDA_OK) return st;
+    if (pr.device < 0) pr.pool = pool;
     if (pr.B == 0 || pr.Q == 0) return MSDA_OK; /* nothing to write */
     REQUIRE_FIELD(fn, pr, output);
     REQUIRE_FIELD(fn, pr, spatial_shapes);
@@ -284,6 +285,8 @@ int msda_forward(const msda_args *args) {
     if (pr.device >= 0) return msda_cuda_forward(&pr);
     return msda_uses_options(&pr) ? msda_cpu_options_forward(&pr) : msda_cpu_plain_forward(&pr);
 }
+
+int msda_forward(const msda_args *args) { return msda_forward_pooled(args, NULL); }
 
 int64_t msda_backward_workspace_size(const msda_args *args) {
     static const char fn[] = "msda_backward_workspace_size";

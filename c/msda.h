@@ -127,6 +127,11 @@ MSDA_API int msda_cuda_runs_on(int device);
 MSDA_API const char *msda_cuda_archs(void);
 /* The CUDA toolkit version the kernels were built with as 1000*major + 10*minor, 0 if none. */
 MSDA_API int msda_cuda_version(void);
+/* The OpenMP runtime the CPU kernels run their threads on: the file of the one already in the
+ * process (torch's), else of the system's libgomp.so.1; "" when none could be found, and the
+ * kernels then run on the calling thread. Chosen once, at the first call that needs threads
+ * (this query makes that choice if no call has). */
+MSDA_API const char *msda_openmp_runtime(void);
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
@@ -215,6 +220,8 @@ typedef enum {
                                    channels a thread                                            */
     MSDA_FWD_ROUTE_WIDE = 3,    /* the fast kernel with 8 channels a thread (one 16-byte load a
                                    corner): f16 / bf16, C >= 8, B*Q*H >= 65536 (encoders)        */
+    MSDA_FWD_ROUTE_DIRECT = 4,  /* no staging: each lane places its own points, an item's points
+                                   split over up to 4 lane groups (few points or few items)      */
 } msda_fwd_route;
 
 /* The route msda_forward takes on CUDA for these sizes, dtype, per-level points and flags.
@@ -237,6 +244,9 @@ typedef enum {
                                        f32 and bf16 decoders)                                   */
     MSDA_ROUTE_AGGREGATED = 5,      /* corners merged per value row in shared memory (encoders:
                                        Q * L * P >= 2 * S)                                      */
+    MSDA_ROUTE_DIRECT = 6,          /* per-point without staging, an item's points split over up
+                                       to 4 lane groups, loads overlapping the zeroing (few
+                                       points an item)                                          */
     MSDA_ROUTE_KERNEL_MASK = 0xff,
     MSDA_ROUTE_DETERMINISTIC = 0x100,  /* grad_value summed in fixed point in the workspace     */
     MSDA_ROUTE_F32_WORKSPACE = 0x200,  /* half grad_value summed in f32 in the workspace        */

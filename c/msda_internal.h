@@ -3,6 +3,7 @@
 #ifndef MSDA_INTERNAL_H
 #define MSDA_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "dtypes.h"
@@ -12,6 +13,16 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* A thread pool other than OpenMP's that runs a CPU forward's workers (ONNX Runtime's intra-op
+ * pool, c/ort_op.c): run(pool, fn, arg, n) calls fn(arg, i) once for each i < n, as many at a
+ * time as the pool has threads, and returns when all are done: MSDA_OK, or a status with the
+ * error text set. */
+typedef struct {
+    int (*run)(void *pool, void (*fn)(void *arg, size_t i), void *arg, size_t n);
+    void *pool;
+    int threads; /* the workers a call is split into */
+} msda_thread_pool;
 
 /* One call's arguments after the entry point has checked them. Sizes are >= 1 except B and Q,
  * which are >= 1 too by the time a kernel sees them (empty problems return early).
@@ -32,6 +43,7 @@ typedef struct {
     int index_dtype; /* msda_index_dtype */
     int device;      /* -1 CPU, else CUDA ordinal */
     int num_threads; /* CPU only; <= 0: OpenMP default */
+    const msda_thread_pool *pool; /* CPU forward only: run on this pool instead of OpenMP */
     const void *value;
     const void *spatial_shapes;
     const void *level_start_index;
@@ -53,6 +65,14 @@ int msda_set_error(int status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
+
+/* msda_forward on the CPU with its workers on `pool` (NULL: OpenMP's threads), for callers
+ * inside the library that bring their own pool (c/ort_op.c). */
+int msda_forward_pooled(const msda_args *args, const msda_thread_pool *pool);
+
+/* 1 when the CPU kernels have an OpenMP runtime to run threads on (c/omp_runtime.c; asked at
+ * the first parallel call), 0 when they run on the calling thread only. */
+int msda_openmp_available(void);
 
 /* Bytes of one element of sampling_locations, attention_weights and their gradients. */
 static inline int64_t msda_point_size(const msda_problem *pr) {
@@ -122,24 +142,40 @@ static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block,
  * block: c/launch.h): encoders gain, a decoder's few thousand items would fill too few threads
  * (kernels/TUNING.md, forward v8, v10). */
 #define MSDA_FWD_WIDE_MIN_ITEMS 65536
+/* Forward, direct kernel: items of at most MSDA_FWD_DIRECT_MAX_POINTS points take it whatever
+ * their count, and any plain problem whose items times C / 4 fall short of
+ * MSDA_FWD_DIRECT_LANES; an item's points are split over lane groups (c/routes.c,
+ * direct_split). The direct backward takes the same thresholds. */
+#define MSDA_FWD_DIRECT_MAX_POINTS 4
+#define MSDA_FWD_DIRECT_LANES (1 << 16)
+#define MSDA_FWD_DIRECT_LANE_POINTS 4
+#define MSDA_FWD_DIRECT_MIN_LANES (1 << 15)
 /* Backward: the per-point kernel's blocks a multiprocessor holds (its launch bound), the most
  * slices an item's points are split into. */
 #define MSDA_BWD_RESIDENT_BLOCKS 5
+/* Backward, direct kernel: most points a lane holds between its loads and its scatter; items
+ * of at most MSDA_BWD_DIRECT_FEW_POINTS points take it whatever their count (c/routes.c). */
+#define MSDA_BWD_DIRECT_MAX_POINTS 4
+#define MSDA_BWD_DIRECT_FEW_POINTS 4
+#define MSDA_BWD_DIRECT_LANES (1 << 17)
 #define MSDA_BWD_MAX_SLICES 8
 
 typedef struct {
-    int kernel;  /* MSDA_FWD_ROUTE_NONE .. MSDA_FWD_ROUTE_WIDE (c/msda.h) */
-    int group;   /* fast kernels: threads an item (C / 4, C / 8 in the wide form); 0 generic */
+    int kernel;  /* MSDA_FWD_ROUTE_NONE .. MSDA_FWD_ROUTE_DIRECT (c/msda.h) */
+    int group;   /* fast kernels: threads an item's channels take (C / vec); 0 generic */
+    int vec;     /* fast kernels: channels a thread (4, or 8: wide, half-type direct) */
+    int split;   /* direct kernel: lane groups an item's points are split over (1, 2, 4) */
     int options; /* fast kernels: compiled with the option code (msda_uses_options) */
     unsigned int blocks; /* gridDim.x */
 } msda_forward_plan;
 
 typedef struct {
-    int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_AGGREGATED (c/msda.h) */
+    int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_DIRECT (c/msda.h) */
     int modifiers;  /* MSDA_ROUTE_DETERMINISTIC | MSDA_ROUTE_F32_WORKSPACE */
     int group;      /* fast kernels: G = C / 4 threads an item (0 for the generic kernel) */
     int options;    /* fast kernels: compiled with the option code (msda_uses_options) */
     int slices;     /* gridDim.y: slices of each item's points */
+    int split;      /* direct kernel: lane groups an item's points are split over (1, 2, 4) */
     unsigned int blocks; /* gridDim.x */
 } msda_backward_plan;
 

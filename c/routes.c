@@ -1,8 +1,9 @@
 /* c/routes.c: which kernel serves a CUDA forward or backward (the routes of c/msda.h), chosen
- * here and only here. Plain C, in every build: the CUDA launchers (kernels/forward.cu,
- * kernels/backward.cuh) switch on the plan, msda_forward_route and msda_backward_route report
- * it, and a CPU-only build can still be asked what a GPU would run. Each grid is sized with the
- * block sizes of c/launch.h. The numbers behind each rule are in kernels/TUNING.md. */
+ * here and only here. Plain C, in every build: the CUDA launchers turn the plan into a kernel
+ * instance (kernels/forward.cuh with_forward_kernel, kernels/backward.cuh with_backward_kernel),
+ * msda_forward_route and msda_backward_route report it, and a CPU-only build can still be asked
+ * what a GPU would run. Each grid is sized with the block sizes of c/launch.h. The numbers
+ * behind each rule are in kernels/TUNING.md. */
 #include "msda_internal.h"
 
 static int is_half(int dtype) { return msda_dtype_half(dtype); }
@@ -20,13 +21,31 @@ int msda_fast_group(const msda_problem *pr) {
     return (int)G;
 }
 
+/* Lane groups an item's points are split over in the direct forward: about
+ * MSDA_FWD_DIRECT_LANE_POINTS points a lane (at most 4 groups, one warp an item), doubled once
+ * more while the grid has fewer than MSDA_FWD_DIRECT_MIN_LANES lanes. */
+static int direct_split(const msda_problem *pr, int64_t items, int G) {
+    int split = 1;
+    while (split < 4 && G * 2 * split <= 32 && split * MSDA_FWD_DIRECT_LANE_POINTS < pr->NP)
+        split *= 2;
+    while (split < 4 && G * 2 * split <= 32 && 2 * split <= pr->NP &&
+           items * G * split < MSDA_FWD_DIRECT_MIN_LANES)
+        split *= 2;
+    return split;
+}
+
 void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan) {
     const int64_t items = pr->B * pr->Q * pr->H;
     const int G = aligned16 ? msda_fast_group(pr) : 0;
-    /* half types in encoders: 8 channels a thread, half the threads an item */
-    const int wide = is_half(pr->dtype) && G >= 2 && items >= MSDA_FWD_WIDE_MIN_ITEMS;
+    const int direct = !msda_uses_options(pr) && G > 0 && pr->S >= 1 &&
+                       (pr->NP <= MSDA_FWD_DIRECT_MAX_POINTS || items * G < MSDA_FWD_DIRECT_LANES);
+    /* half types in encoders, and in the direct kernel: 8 channels a thread, half the threads
+     * an item */
+    const int wide = is_half(pr->dtype) && G >= 2 && (direct || items >= MSDA_FWD_WIDE_MIN_ITEMS);
     plan->options = msda_uses_options(pr);
+    plan->vec = wide ? 8 : 4;
     plan->group = wide ? G / 2 : G;
+    plan->split = 1;
     if (pr->B * pr->Q == 0) {
         plan->kernel = MSDA_FWD_ROUTE_NONE;
         plan->group = 0;
@@ -34,6 +53,11 @@ void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan 
     } else if (G == 0) {
         plan->kernel = MSDA_FWD_ROUTE_GENERIC;
         plan->blocks = msda_grid_blocks(items, MSDA_GENERIC_BLOCK_ITEMS, MSDA_MAX_GRID_BLOCKS);
+    } else if (direct) {
+        plan->kernel = MSDA_FWD_ROUTE_DIRECT;
+        plan->split = direct_split(pr, items, plan->group);
+        plan->blocks = msda_grid_blocks(items, MSDA_DIRECT_BLOCK_ITEMS(plan->group * plan->split),
+                                        MSDA_MAX_GRID_BLOCKS);
     } else {
         plan->kernel = wide ? MSDA_FWD_ROUTE_WIDE : MSDA_FWD_ROUTE_FAST;
         const int threads = wide ? MSDA_FWD_WIDE_THREADS : MSDA_BLOCK_THREADS;
@@ -64,6 +88,23 @@ static int point_slices(const msda_problem *pr, unsigned int blocks, int multipr
     return slices < 1 ? 1 : (int)slices;
 }
 
+/* The lane groups of the direct backward for a plain decoder, or 0 where it does not serve:
+ * items of at most MSDA_BWD_DIRECT_FEW_POINTS points, and f32 or f16 problems of fewer than
+ * MSDA_BWD_DIRECT_LANES lanes (bf16 decoders keep their pipelined kernel, which is faster
+ * there: kernels/TUNING.md, backward d4); at most MSDA_BWD_DIRECT_MAX_POINTS points a lane. */
+static int direct_backward_split(const msda_problem *pr, int64_t items, int G) {
+    const int few = pr->NP <= MSDA_BWD_DIRECT_FEW_POINTS;
+    if (pr->S < 1 || !(few || (pr->dtype != MSDA_BF16 && items * G < MSDA_BWD_DIRECT_LANES)))
+        return 0;
+    int split = 1;
+    while (split < 4 && (pr->NP + split - 1) / split > MSDA_BWD_DIRECT_MAX_POINTS) split *= 2;
+    if ((pr->NP + split - 1) / split > MSDA_BWD_DIRECT_MAX_POINTS || G * split > 32) return 0;
+    while (split < 4 && 2 * split <= pr->NP && G * 2 * split <= 32 &&
+           items * G * split < MSDA_FWD_DIRECT_LANES)
+        split *= 2;
+    return split;
+}
+
 void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocessors,
                         int sm90_code, msda_backward_plan *plan) {
     const int det = (pr->flags & MSDA_DETERMINISTIC) && pr->grad_value && pr->B * pr->Q > 0;
@@ -73,6 +114,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     plan->group = 0;
     plan->options = msda_uses_options(pr);
     plan->slices = 1;
+    plan->split = 1;
     plan->blocks = 1;
     if (pr->B * pr->Q == 0) {
         plan->kernel = MSDA_ROUTE_NONE;
@@ -85,14 +127,21 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
         return;
     }
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
-     * value rows; decoders (a few hundred scattered queries) are slower there (kernels/TUNING.md,
-     * backward v53) */
-    const int aggregates = pr->Q * pr->NP >= 2 * pr->S;
+     * value rows; decoders, whose queries scatter, are slower there, even with many queries a
+     * position (kernels/TUNING.md, backward v53; bev_sca) */
+    const int aggregates = pr->Q == pr->S && pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
     plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(MSDA_BLOCK_THREADS, G),
                                     MSDA_MAX_GRID_BLOCKS);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
-    if (G >= 4 && aggregates) {
+    const int split = direct_backward_split(pr, items, G);
+    if (!det && !plan->options && !aggregates && split > 0) {
+        plan->kernel = MSDA_ROUTE_DIRECT;
+        plan->split = split;
+        plan->slices = 1;
+        plan->blocks = msda_grid_blocks(items, MSDA_DIRECT_BLOCK_ITEMS(G * split),
+                                        MSDA_MAX_GRID_BLOCKS);
+    } else if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
         plan->blocks = msda_grid_blocks(items, MSDA_AGG_BLOCK_ITEMS(G), MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);

@@ -6,6 +6,7 @@
 
 #include "backward_agg.cuh"
 #include "backward_aux.cuh"
+#include "backward_direct.cuh"
 #include "backward_generic.cuh"
 #include "backward_point.cuh"
 
@@ -65,6 +66,36 @@ template <typename T, int G, typename Form> struct AggregatedBackward {
     static void (*kernel())(msda_problem) { return msda_backward_agg<T, G, Form>; }
 };
 
+template <typename T, int G, typename Form> struct DirectBackward {
+    static constexpr int threads = MSDA_BLOCK_THREADS;
+    static constexpr int block_items = MSDA_DIRECT_BLOCK_ITEMS(G * Form::SPLIT);
+    static constexpr bool overlaps_zeroing = true; /* loads first, the scatter after */
+    static void (*kernel())(msda_problem) { return msda_backward_direct<T, G, Form>; }
+};
+
+/* f(K()) for the direct kernel of plan.split lane groups an item (G * split <= 32 lanes) with
+ * room for the points a lane takes (1, 2 or 4). */
+template <typename T, int G, typename F>
+static cudaError_t with_direct_backward(const msda_problem *pr, const msda_backward_plan &plan,
+                                        F &&f) {
+    const int maxp = (int)((pr->NP + plan.split - 1) / plan.split);
+    auto points = [&](auto split) -> cudaError_t {
+        constexpr int SPLIT = decltype(split)::value;
+        if constexpr (G * SPLIT <= 32) {
+            if (maxp <= 1) return f(DirectBackward<T, G, DirectBackwardForm<SPLIT, 1>>());
+            if (maxp <= 2) return f(DirectBackward<T, G, DirectBackwardForm<SPLIT, 2>>());
+            if (maxp <= 4) return f(DirectBackward<T, G, DirectBackwardForm<SPLIT, 4>>());
+        }
+        return cudaErrorNotSupported;
+    };
+    switch (plan.split) {
+    case 1: return points(std::integral_constant<int, 1>());
+    case 2: return points(std::integral_constant<int, 2>());
+    case 4: return points(std::integral_constant<int, 4>());
+    default: return cudaErrorNotSupported;
+    }
+}
+
 /* f(K()) for the aggregated kernel of points stored as P (kernels/common.cuh: PointTensor): with
  * the option code, with every gradient wanted, or plain. */
 template <typename T, typename P, int G, bool DET, typename F>
@@ -108,6 +139,9 @@ static cudaError_t with_backward_kernel(const msda_problem *pr, const msda_backw
                     return f(PointBackward<T, 2 * G, PerPointPipelined<2>>());
                 else if constexpr (!DET && std::is_same<T, __nv_bfloat16>::value)
                     return f(PointBackward<T, G, PerPointPipelined<4>>());
+                break;
+            case MSDA_ROUTE_DIRECT: /* plain problems; plan.split lane groups an item */
+                if constexpr (!DET) return with_direct_backward<T, G>(pr, plan, f);
                 break;
             case MSDA_ROUTE_POINT:
                 return plan.options ? f(PointBackward<T, G, PerPointWithOptions<DET>>())

@@ -5,14 +5,14 @@
  * kernels/staging.cuh with the corner weights premultiplied by A; a group of G threads an item,
  * 4 channels a thread (16-byte f32 loads), or 8 in half types from 65536 items on (one 16-byte
  * load a corner, 128-thread blocks); the point loop unrolled 8 times; corner slots ordered by
- * pixel parity so neighbouring queries ask for shared pixels in the same load. Generic kernel
- * (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets. c/routes.c chooses
- * (msda_plan_forward); with_forward_kernel turns its plan into a kernel instance.
+ * pixel parity so neighbouring queries ask for shared pixels in the same load. Direct kernel
+ * (plain problems of at most 4 points an item, or of few items): no staging, each lane places
+ * its own points, an item's points split over up to 4 lane groups whose sums meet by shuffles.
+ * Generic kernel (f64, other C, over 2^31 elements): one warp an item, 64-bit offsets.
+ * c/routes.c chooses (msda_plan_forward); with_forward_kernel turns its plan into a kernel
+ * instance.
  * Numerics: f32 accumulation (f64 for f64), one rounding to the output type.
- * Why this form: each choice above is the fastest of those measured on the bench shapes
- * (kernels/TUNING.md, Forward: staging v2-v7, corner addresses v9, 8 channels v10, pixel-parity
- * slots v11, L2 prefetch v12, 128-thread wide blocks v20, unrolling v21); today's times:
- * BENCHMARKS.md. */
+ * Timings: BENCHMARKS.md; why these forms: kernels/TUNING.md (forward v21, d1). */
 #pragma once
 
 #include "staging.cuh"
@@ -136,6 +136,67 @@ __global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
     }
 }
 
+/* The direct form (MSDA_FWD_ROUTE_DIRECT): R = G * SPLIT lanes an item, G = C / V lanes of V
+ * channels for each of SPLIT subsets of its points (lane s takes points s, s + SPLIT, ...).
+ * Every lane places its own points (stage_point, the staged kernels' geometry) and gathers
+ * their corners: no shared staging and no barrier but the level table's; the SPLIT partial
+ * sums of an item meet by shuffles. For few points an item (a chunk of the staged kernel would
+ * be mostly empty) and few items (more lanes an item fill the GPU). */
+template <int V_, int SPLIT_> struct DirectForm {
+    static constexpr int V = V_, SPLIT = SPLIT_, NT = MSDA_BLOCK_THREADS;
+};
+
+template <typename T, int G, typename Form>
+__global__ void __launch_bounds__(Form::NT) msda_forward_direct(msda_problem pr) {
+    constexpr int V = Form::V, SPLIT = Form::SPLIT, R = G * SPLIT;
+    constexpr int IPB = MSDA_DIRECT_BLOCK_ITEMS(R);
+    static_assert(Form::NT == MSDA_BLOCK_THREADS, "c/routes.c sizes the grid for this block");
+    static_assert(V == 4 || V == 8, "4 or 8 channels a lane");
+    static_assert(R <= 32 && (R & (R - 1)) == 0, "an item's lanes: a power of two in one warp");
+    __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
+    const int lane = threadIdx.x % R, g = lane % G, s = lane / G;
+    const T *value = (const T *)pr.value + g * V;
+    asm("" : "+l"(value)); /* one IMAD.WIDE.U32 a corner address, as in msda_forward_fast */
+    T *out = (T *)pr.output;
+    const int n_items = (int)(pr.B * pr.Q * pr.H), NP = (int)pr.NP, C = (int)pr.C;
+    load_levels(pr, s_lvl);
+    __syncthreads();
+    for (unsigned ub = blockIdx.x * IPB; ub < (unsigned)n_items; ub += gridDim.x * IPB) {
+        const int mine = (int)ub + threadIdx.x / R;
+        /* lanes past the last item shadow it (their shuffles must run), and store nothing */
+        const int item = mine < n_items ? mine : n_items - 1;
+        const int2 it = make_int2(item_row<0>(pr, s_lvl, item, false), item_head_off(pr, item));
+        float acc[V];
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] = 0.f;
+#pragma unroll 4
+        for (int p = s; p < NP; p += SPLIT) {
+            int4 o4;
+            float4 w4;
+            stage_point<T, true, false>(pr, s_lvl, it, p, o4, w4);
+            const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+            const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                if (o[c] < 0) continue;
+                float v[V];
+                if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
+                else load_vec(value + (unsigned)o[c], v);
+#pragma unroll
+                for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
+            }
+        }
+#pragma unroll
+        for (int d = G; d < R; d <<= 1)
+#pragma unroll
+            for (int j = 0; j < V; j++) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], d);
+        if (mine < n_items && s == 0) {
+            if constexpr (V == 8) store_vec8(out + (int64_t)it.x * C + g * V, acc);
+            else store_vec(out + (int64_t)it.x * C + g * V, acc);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // launcher
 
@@ -165,6 +226,32 @@ template <typename T, int G, typename Form> struct FastForward {
     }
 };
 
+template <typename T, int G, typename Form> struct DirectForward {
+    static constexpr int threads = Form::NT, block_items = MSDA_DIRECT_BLOCK_ITEMS(G * Form::SPLIT);
+    static cudaError_t launch(const msda_problem *pr, const msda_forward_plan &plan,
+                              cudaStream_t stream) {
+        msda_forward_direct<T, G, Form><<<plan.blocks, threads, 0, stream>>>(*pr);
+        return cudaSuccess;
+    }
+};
+
+/* f(K()) for the direct kernel of G lanes an item's channels take, V channels a lane, split
+ * over plan.split lane groups (at most 32 lanes an item). */
+template <typename T, int G, int V, typename F>
+static cudaError_t with_direct_forward(const msda_forward_plan &plan, F &&f) {
+    switch (plan.split) {
+    case 1: return f(DirectForward<T, G, DirectForm<V, 1>>());
+    case 2:
+        if constexpr (G <= 16) return f(DirectForward<T, G, DirectForm<V, 2>>());
+        break;
+    case 4:
+        if constexpr (G <= 8) return f(DirectForward<T, G, DirectForm<V, 4>>());
+        break;
+    default: break;
+    }
+    return cudaErrorNotSupported;
+}
+
 /* f(K()) for the kernel type K of a plan (not MSDA_FWD_ROUTE_NONE): the one place where a
  * route becomes a template instance, so the choice and the instances it needs stay together
  * (flash-attention's static switch). A plan no instance serves is cudaErrorNotSupported, a
@@ -183,6 +270,13 @@ static cudaError_t with_forward_kernel(const msda_forward_plan &plan, F &&f) {
                 if constexpr (IsHalf<T>::value && G <= 16)
                     return plan.options ? f(FastForward<T, G, WideWithOptions>())
                                         : f(FastForward<T, G, Wide>());
+                break;
+            case MSDA_FWD_ROUTE_DIRECT: /* plain problems; G = C / plan.vec lanes, times split */
+                if (plan.vec == 8) {
+                    if constexpr (IsHalf<T>::value) return with_direct_forward<T, G, 8>(plan, f);
+                } else {
+                    return with_direct_forward<T, G, 4>(plan, f);
+                }
                 break;
             default: break;
             }

@@ -140,37 +140,33 @@ __device__ __forceinline__ void fill_items(const msda_problem &pr, const int4 *s
     }
 }
 
-/* Geometry of sampling point `pidx` (0 <= pidx < L*P) of item (b, q, h) = `item`:
+/* Where the point (lx, ly) of attention weight a falls on level lvl ({H_l, W_l, start} as
+ * load_levels stores it), for the head whose channel 0 of position 0 is at head_off in value
+ * (HC = H * C elements a position, S positions):
  *   offs: element offset in value of each corner's channel 0 for this head, or -1 if outside;
  *   geo:  WEIGHTS ? the corner weights times the attention weight : {A, fx, fy, 0}.
+ * flags: the problem's (MSDA_NEAREST), 0 without the option code.
  * Offsets are int32: the fast path needs B*S*H*C < 2^31. Unsigned arithmetic wraps instead of
  * overflowing on lying shape tables; the final idx < S test keeps every read inside value. */
-template <typename T, bool WEIGHTS, bool OPT, typename P = void>
-__device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int2 it,
-                                            int pidx, int4 &offs, float4 &geo) {
-    const PointTensor<T, P> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
-    const int64_t i = (int64_t)it.x * (int)pr.NP + pidx;
-    const int4 lvl = s_lvl[level_of<OPT>(pr, pidx)];
-    const int flags = OPT ? pr.flags : 0;
-    const float a = to_acc(attn[i]);
+template <bool WEIGHTS>
+__device__ __forceinline__ void place_point(int flags, int4 lvl, int head_off, int HC, int S,
+                                            float lx, float ly, float a, int4 &offs,
+                                            float4 &geo) {
     offs = make_int4(-1, -1, -1, -1);
     geo = make_float4(WEIGHTS ? 0.f : a, 0.f, 0.f, 0.f);
-    const int HC = (int)(pr.H * pr.C), S = (int)pr.S;
-    const float lx = to_acc(loc[2 * i]), ly = to_acc(loc[2 * i + 1]);
     if (flags & MSDA_NEAREST) { /* nearest_point() in 32-bit: one corner of weight 1 */
         if (lvl.y <= 0 || !(isfinite(lx) && isfinite(ly))) return;
         const float Wf = (float)lvl.y, Hf = (float)lvl.x;
         const int xx = (int)nearest_pixel(lx, Wf), yy = (int)nearest_pixel(ly, Hf);
         const unsigned idx = (unsigned)lvl.z + (unsigned)yy * (unsigned)lvl.y + (unsigned)xx;
         if (idx >= (unsigned)S) return;
-        offs.x = it.y + (int)idx * HC;
+        offs.x = head_off + (int)idx * HC;
         geo = make_float4(a, 0.f, 0.f, 0.f); /* weights {A, 0, 0, 0} = {A, fx = 0, fy = 0, 0} */
         return;
     }
     int x0, y0;
     float fx, fy;
     if (!locate32(lx, ly, lvl, x0, y0, fx, fy)) return;
-    const int head_off = it.y;
     /* WEIGHTS (forward): slot k holds the corner whose pixel has parities (k & 1, k >> 1), so
      * the groups of a warp, gathering slot k of neighbouring queries, all ask for the pixels
      * they share in the same load (one line lookup for them). */
@@ -192,6 +188,25 @@ __device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *
     }
     else
         geo = make_float4(a, fx, fy, 0.f);
+}
+
+/* place_point of sampling point `pidx` (0 <= pidx < L*P, on level lvl) of the item it = {row,
+ * head offset}, its location and weight read here. */
+template <typename T, bool WEIGHTS, bool OPT, typename P = void>
+__device__ __forceinline__ void stage_point_at(const msda_problem &pr, int4 lvl, int2 it,
+                                               int pidx, int4 &offs, float4 &geo) {
+    const PointTensor<T, P> loc(pr.sampling_locations, pr), attn(pr.attention_weights, pr);
+    const int64_t i = (int64_t)it.x * (int)pr.NP + pidx;
+    const float a = to_acc(attn[i]);
+    const float lx = to_acc(loc[2 * i]), ly = to_acc(loc[2 * i + 1]);
+    place_point<WEIGHTS>(OPT ? pr.flags : 0, lvl, it.y, (int)(pr.H * pr.C), (int)pr.S, lx, ly, a,
+                         offs, geo);
+}
+/* stage_point_at for the level table in shared memory (s_lvl: load_levels) */
+template <typename T, bool WEIGHTS, bool OPT, typename P = void>
+__device__ __forceinline__ void stage_point(const msda_problem &pr, const int4 *s_lvl, int2 it,
+                                            int pidx, int4 &offs, float4 &geo) {
+    stage_point_at<T, WEIGHTS, OPT, P>(pr, s_lvl[level_of<OPT>(pr, pidx)], it, pidx, offs, geo);
 }
 
 /* Stages points [p0, p0 + kn) of the block's items [base, base + IPB) (s_item: fill_items) in

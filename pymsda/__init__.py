@@ -6,14 +6,15 @@ has torch.library.custom_op (2.4 and later), importing pymsda also registers the
 torch.ops.pymsda.ms_deform_attn_forward and torch.ops.pymsda.ms_deform_attn_backward, which
 torch.compile and torch.export trace (pymsda.ops.HAS_TORCH_LIBRARY_OPS says whether they are);
 and, on every torch, pymsda::ms_deform_attn, which torch.jit.script records for ms_deform_attn.
-"""
-import torch
 
-from . import _buffers, _lib, export, reference, routes
-from .modules import MSDeformAttn
-from ._autograd import SlowPathWarning
-from .ops import MSDeformAttnFunction, ms_deform_attn
-from . import _script  # registers the op that torch.jit.script records
+Without torch (a machine that deploys exported models with ONNX Runtime), `import pymsda` still
+works: pymsda.library_path() is the library that SessionOptions.register_custom_ops_library
+loads (its op pymsda::MSDeformAttn, docs/export.md), and every attribute that needs torch raises
+ImportError saying so.
+"""
+import importlib.util
+
+from . import _lib
 
 __version__ = "0.1.0"
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",
@@ -22,7 +23,9 @@ __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "
 
 
 def library_path():
-    """Path of the loaded libpymsda.so."""
+    """Path of the loaded libpymsda.so: pymsda's kernels, and ONNX Runtime's op
+    pymsda::MSDeformAttn for `onnxruntime.SessionOptions().register_custom_ops_library(path)`.
+    Needs no torch."""
     return _lib.path
 
 
@@ -31,14 +34,33 @@ def cuda_archs():
     return _lib.lib.msda_cuda_archs().decode().split()
 
 
-def has_cuda():
-    """True when the library has CUDA kernels, torch sees a GPU and so does the library."""
-    return (bool(_lib.lib.msda_has_cuda()) and torch.cuda.is_available()
-            and _lib.lib.msda_cuda_device_count() > 0)
+if importlib.util.find_spec("torch") is None:
+    _NEEDS_TORCH = frozenset(__all__) - {"library_path", "cuda_archs"} | {
+        "ops", "modules", "compat", "bench", "HAS_TORCH_LIBRARY_OPS"}
 
+    def __getattr__(name):
+        if name in _NEEDS_TORCH:
+            raise ImportError(
+                f"pymsda.{name} needs PyTorch, which is not installed in this Python: pip install "
+                "torch (without torch, pymsda serves ONNX Runtime: pymsda.library_path())")
+        raise AttributeError(f"module 'pymsda' has no attribute {name!r}")
+else:
+    import torch
 
-def empty_cpu_cache():
-    """Gives back the CPU gradient buffers pymsda keeps for reuse between backward calls (at most
-    8, 256 MB together by default: PYMSDA_CPU_POOL_MB; see pymsda/_buffers.py). Buffers still
-    in use stay with their users. Like torch.cuda.empty_cache, only useful to return memory."""
-    _buffers.pool.clear()
+    from . import _buffers, export, reference, routes
+    from .modules import MSDeformAttn
+    from ._autograd import SlowPathWarning
+    from .ops import MSDeformAttnFunction, ms_deform_attn
+    from . import _script  # registers the op that torch.jit.script records
+
+    def has_cuda():
+        """True when the library has CUDA kernels, torch sees a GPU and so does the library."""
+        return (bool(_lib.lib.msda_has_cuda()) and torch.cuda.is_available()
+                and _lib.lib.msda_cuda_device_count() > 0)
+
+    def empty_cpu_cache():
+        """Gives back the CPU gradient buffers pymsda keeps for reuse between backward calls (at
+        most 8, 256 MB together by default: PYMSDA_CPU_POOL_MB; see pymsda/_buffers.py). Buffers
+        still in use stay with their users. Like torch.cuda.empty_cache, only useful to return
+        memory."""
+        _buffers.pool.clear()

@@ -7,16 +7,25 @@
 """
 import argparse
 import ctypes
+import importlib.util
 import os
 import platform
 import re
 import sys
 
-import torch
+if importlib.util.find_spec("torch") is None:  # a deployment machine: ONNX Runtime, no torch
+    from . import _lib
+    print(f"pymsda library: {_lib.path} (ABI {_lib.lib.msda_abi_version()})\n"
+          f"OpenMP runtime: {_lib.lib.msda_openmp_runtime().decode() or 'none (one thread)'}\n"
+          "torch:          not installed: the self-check needs it (pip install torch); without "
+          "it the library serves ONNX Runtime (pymsda.library_path(), docs/export.md)")
+    sys.exit(0 if sys.argv[1:2] == ["info"] else 1)
 
-from . import _lib, cuda_archs, has_cuda, library_path
-from .ops import ms_deform_attn
-from .reference import ms_deform_attn_pytorch, rel_l2
+import torch  # noqa: E402
+
+from . import _lib, cuda_archs, has_cuda, library_path  # noqa: E402
+from .ops import ms_deform_attn  # noqa: E402
+from .reference import ms_deform_attn_pytorch, rel_l2  # noqa: E402
 
 
 def _devices():
@@ -139,7 +148,8 @@ def info():
         print("CUDA kernels:   no (CPU-only build)")
     print(f"torch:          {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     print(f"Python:         {platform.python_version()} ({sys.executable})")
-    print(f"CPU threads:    {torch.get_num_threads()}")
+    print(f"CPU threads:    {torch.get_num_threads()} (OpenMP runtime: "
+          f"{_lib.lib.msda_openmp_runtime().decode() or 'none found, one thread'})")
     coverage = gpu_coverage()
     for _, _, line in coverage:
         print(line)

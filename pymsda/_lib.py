@@ -5,18 +5,19 @@ Search order: the PYMSDA_LIBRARY environment variable, then the copy installed i
 package, then the build folder of a source checkout (../build next to this package). A failure
 raises ImportError that names every path tried and why it was refused.
 
-OpenMP: the library of a wheel names no OpenMP library; its GOMP_* and omp_* symbols bind to the
-runtime torch has already loaded, which load() first puts into the global symbol scope. So the
-process keeps one OpenMP runtime whatever torch calls its copy (torch/lib/libgomp.so.1, a hashed
-libgomp-*.so.1, LLVM's libomp, which serves the GOMP_ entry points too).
+OpenMP: the library names no OpenMP library; at its first parallel call it binds its OpenMP
+calls to the runtime already in the process (torch's, whatever torch calls its copy), else to the
+system's libgomp.so.1, else runs on one thread (c/omp_runtime.c; msda_openmp_runtime() says which).
+So the process keeps one OpenMP runtime, and the library loads without torch.
 
-The lowest layer of the package: it imports nothing of pymsda but _torch_private.
+No torch needed: ONNX Runtime users load this module (through pymsda.library_path()) on machines
+without torch. The lowest layer of the package: it imports nothing of pymsda but _torch_private,
+and that only when torch is installed.
 """
 import ctypes
+import importlib.util
 import os
 import struct
-
-from ._torch_private import current_raw_stream
 
 ABI_VERSION = 9  # must equal MSDA_ABI_VERSION in c/msda.h
 LIBRARY_NAME = "libpymsda.so"
@@ -35,10 +36,10 @@ INDEX_I64, INDEX_I32 = 0, 1
 FLAG_NEAREST, FLAG_DETERMINISTIC, FLAG_POINTS_F32 = 1, 4, 8  # (2, the fused softmax, is gone)
 # msda_route (c/msda.h): kernel values, then the modifier bits
 ROUTE_KERNELS = {0: "none", 1: "generic", 2: "point", 3: "point_sliced", 4: "point_pipelined",
-                 5: "aggregated"}
+                 5: "aggregated", 6: "direct"}
 ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
 # msda_fwd_route (c/msda.h)
-FWD_ROUTE_KERNELS = {0: "none", 1: "generic", 2: "fast", 3: "wide"}
+FWD_ROUTE_KERNELS = {0: "none", 1: "generic", 2: "fast", 3: "wide", 4: "direct"}
 
 # msda_args (c/msda.h), the one argument of the compute entry points: its fields in order with
 # their struct codes. ARGS is its layout (fixed-width fields, no padding, 64-bit pointers: 192
@@ -117,6 +118,8 @@ _SIGNATURES = {
     "msda_cuda_runs_on": (_int, [_int]),
     # const char *msda_cuda_archs(void)
     "msda_cuda_archs": (_str, []),
+    # const char *msda_openmp_runtime(void)
+    "msda_openmp_runtime": (_str, []),
     # int msda_cuda_version(void)
     "msda_cuda_version": (_int, []),
     # const char *msda_status_string(int status)
@@ -167,28 +170,8 @@ def _open(path):
     return lib
 
 
-def _share_openmp_runtime():
-    """Loads the OpenMP runtime mapped in this process (GNU's first) with RTLD_GLOBAL, or, when
-    none is, the system's libgomp.so.1 (what a build-folder library names anyway)."""
-    mapped = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split(None, 5)[5].strip() if line.count(" ") >= 5 else ""
-                if os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")):
-                    mapped.append(path)
-    except (OSError, IndexError):
-        pass
-    mapped.sort(key=lambda path: not os.path.basename(path).startswith("libgomp"))
-    try:
-        ctypes.CDLL(mapped[0] if mapped else "libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        pass  # a library that needs it then fails to load, naming the missing symbol
-
-
 def load():
     """Returns (ctypes library, path) or raises ImportError naming every path tried."""
-    _share_openmp_runtime()
     tried = []
     for origin, path in candidate_paths():
         if not os.path.exists(path):
@@ -237,8 +220,12 @@ def check(status):
 # the devices the library serves
 
 has_cuda_kernels = bool(lib.msda_has_cuda())
-# current_stream(device_index) -> the raw cudaStream_t of that device's current stream
-current_stream = current_raw_stream
+# current_stream(device_index) -> the raw cudaStream_t of that device's current stream (None
+# without torch: only the library's path and queries are used then)
+if importlib.util.find_spec("torch") is not None:
+    from ._torch_private import current_raw_stream as current_stream
+else:
+    current_stream = None
 # CUDA devices the library's kernels run on, and the library's reason for each one they do not
 # (msda_cuda_runs_on, asked once per device, on its first call)
 served_cuda = set()

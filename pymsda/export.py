@@ -6,7 +6,9 @@
     torch.onnx.export            the decomposition (pymsda/_decompose.py) into standard ONNX ops,
       (dynamo=False and True)    opset 11 and later; or, inside onnx_options(tensorrt=True), one
                                  MultiscaleDeformableAttnPlugin_TRT node where the plugin can
-                                 express the call
+                                 express the call; or, inside onnx_options(onnxruntime=True), one
+                                 pymsda::MSDeformAttn node, pymsda's own ONNX Runtime op (the
+                                 library's RegisterCustomOps, c/ort_op.c) for every call
     torch.export, torch.compile  the registered op (pymsda/_library.py); decompositions() turns
                                  it into the decomposition in an ExportedProgram (for
                                  torch.onnx.export of the program)
@@ -35,16 +37,24 @@ import contextlib
 import torch
 
 from ._library import HAS_TORCH_LIBRARY_OPS
-from ._trace import _METHODS, TENSORRT_PLUGIN, _exported_forward, _options
+from ._trace import (_METHODS, ONNXRUNTIME_DOMAIN, ONNXRUNTIME_OP, TENSORRT_PLUGIN,
+                     _exported_forward, _options)
 
-__all__ = ["onnx_options", "decompositions", "TENSORRT_PLUGIN"]
+__all__ = ["onnx_options", "decompositions", "TENSORRT_PLUGIN", "ONNXRUNTIME_DOMAIN",
+           "ONNXRUNTIME_OP"]
 
 
 @contextlib.contextmanager
-def onnx_options(tensorrt=False, plugin_version="1", method="gather"):
+def onnx_options(tensorrt=False, plugin_version="1", method="gather", onnxruntime=False):
     """Options for the ONNX graphs that torch.onnx.export records for ms_deform_attn inside the
     `with` block (this thread):
 
+        onnxruntime: emit one pymsda::MSDeformAttn node (domain "pymsda", version 1) for every
+            call: pymsda's own ONNX Runtime op, which runs pymsda's kernels once the session
+            options load the library (register_custom_ops_library(pymsda.library_path())).
+            Inputs value, spatial_shapes, level_start_index (int64, read at run time),
+            sampling_locations, attention_weights (TensorRT's plugin order); attributes
+            sampling and num_points_list; output (B, Q, H*C). docs/export.md.
         tensorrt: emit one MultiscaleDeformableAttnPlugin_TRT node (TensorRT's own plugin)
             for each call the plugin can express (num_points_list with the same count on
             every level is reshaped to it); calls with sampling="nearest" or unequal per-level
@@ -58,13 +68,17 @@ def onnx_options(tensorrt=False, plugin_version="1", method="gather"):
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     if str(plugin_version) not in ("1", "2"):
         raise ValueError(f"plugin_version must be '1' or '2', got {plugin_version!r}")
-    saved = (_options.tensorrt, _options.plugin_version, _options.method)
-    _options.tensorrt, _options.plugin_version, _options.method = (
-        bool(tensorrt), str(plugin_version), method)
+    if tensorrt and onnxruntime:
+        raise ValueError("onnx_options: choose one of tensorrt=True and onnxruntime=True (one "
+                         "node type a graph)")
+    saved = (_options.tensorrt, _options.plugin_version, _options.method, _options.onnxruntime)
+    _options.tensorrt, _options.plugin_version, _options.method, _options.onnxruntime = (
+        bool(tensorrt), str(plugin_version), method, bool(onnxruntime))
     try:
         yield
     finally:
-        _options.tensorrt, _options.plugin_version, _options.method = saved
+        (_options.tensorrt, _options.plugin_version, _options.method,
+         _options.onnxruntime) = saved
 
 
 def decompositions():

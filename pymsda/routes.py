@@ -9,17 +9,21 @@ and a user can see which kernel their shapes get:
     'wide'
     >>> pymsda.routes.backward_route(2, 19947, 8, 32, 4, 900, 4, torch.float32,
     ...                              multiprocessors=132, sm90_code=True)
-    Route(kernel='point_pipelined', deterministic=False, f32_workspace=False)
+    Route(kernel='direct', deterministic=False, f32_workspace=False)
 
 Forward kernels: 'none' (no queries: nothing to write), 'generic' (float64, channel counts other
 than 4 * 2^k up to 128, more than 2^31 value elements, misaligned tensors), 'fast' (geometry
 staged in shared memory, 4 channels a thread), 'wide' (the fast kernel with 8 channels a thread:
-half-precision encoders, 65536 or more (b, q, h) items). The forward's choice needs no GPU.
+half-precision encoders, 65536 or more (b, q, h) items), 'direct' (no staging, an item's points
+split over up to 4 lane groups: plain problems of at most 4 points an item, or of few items).
+The forward's choice needs no GPU.
 
 Backward kernels: 'none' (no queries: grad_value only zeroed), 'generic' (as the forward's),
 'point' (the fast per-point kernel), 'point_sliced' (few items: each item's points split over
-several blocks), 'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders:
-corners merged per value row). Modifiers: deterministic (fixed-point sums in a workspace) and
+several blocks), 'point_pipelined' (plain float32 / bfloat16 decoders), 'aggregated' (encoders,
+Q = S: corners merged per value row), 'direct' (plain decoders of at most 4 points an item, or
+float32 / float16 ones of few items: the direct forward's form, loads overlapping the zeroing
+of grad_value). Modifiers: deterministic (fixed-point sums in a workspace) and
 f32_workspace (a half-precision grad_value summed in float32: where the GPU code predates
 sm_90). float32 points with a half value (autocast's call) take the all-half call's route, in
 both passes.
@@ -66,7 +70,7 @@ def _checked(route):
 def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
                   softmax=False, aligned=True, points_dtype=None):
     """The kernel the CUDA forward runs (a name of _lib.FWD_ROUTE_KERNELS: 'none', 'generic',
-    'fast', 'wide') for these sizes (as in ms_deform_attn: value (B, S, H, C), L levels, Q
+    'fast', 'wide', 'direct') for these sizes (as in ms_deform_attn: value (B, S, H, C), L levels, Q
     queries, P points per level, or per-level counts in num_points_list with P their sum), dtype
     (value's) and options. points_dtype: that of sampling_locations and attention_weights
     (default: value's; float32 with a half value, autocast's call, takes the all-half call's

@@ -101,10 +101,12 @@ shapes = [(7, 9), (4, 5), (2, 3), (1, 1)]           # L = 4; S = 90
 S = sum(h * w for h, w in shapes)
 # (dtype, C, Q, P, options): C = 4*G for every fast-path group size G = 1..32 in f32 (the shared
 # memory layout depends on G, not on the type), G = 1, 8, 32 in f16 and bf16; the generic
-# kernels: C = 5, C = 256, f64. Q = 37 with P = 5 (20 points an item: two chunks) is an encoder
-# (Q * L * P >= 2 * S: the aggregated route for G >= 4), Q = 3 a decoder whose points are sliced,
-# P = 1 a decoder whose points are not (pipelined in f32 and bf16, the per-point kernel in f16).
-decoders = ((37, 5), (3, 5), (3, 1))
+# kernels: C = 5, C = 256, f64. Q = S = 90 with P = 5 (20 points an item: two chunks) is an
+# encoder (the aggregated route for G >= 4), Q = 3 a decoder whose points are sliced (bf16) or
+# split over lane groups (the direct kernel in f32 and f16), P = 1 a decoder of 4 points (direct);
+# Q = 1500 with P = 5, past 2^16 lanes at C = 32, takes the staged forward and, in bf16, the
+# pipelined backward.
+decoders = ((90, 5), (3, 5), (3, 1))
 cases = [(torch.float32, c, q, p, {}) for c in (4, 8, 16, 32, 64, 128) for q, p in decoders] + \
         [(d, c, q, p, {}) for d in (torch.float16, torch.bfloat16) for c in (4, 32, 128)
          for q, p in decoders] + \
@@ -112,7 +114,8 @@ cases = [(torch.float32, c, q, p, {}) for c in (4, 8, 16, 32, 64, 128) for q, p 
          (torch.bfloat16, 32, 3, 1, dict(sampling="nearest")),
          (torch.float32, 5, 37, 5, {}), (torch.bfloat16, 256, 37, 5, {}),
          (torch.float64, 8, 37, 5, {}), (torch.float64, 3, 3, 1, {}),
-         (torch.float32, 32, 0, 5, {})]
+         (torch.float32, 32, 0, 5, {}),
+         (torch.float32, 32, 1500, 5, {}), (torch.bfloat16, 32, 1500, 5, {})]
 seen, runs = set(), 0
 # all gradients (the fast backward then runs its two passes: point gradients, then grad_value)
 # and the weight gradient alone, each atomic and deterministic

@@ -118,11 +118,11 @@ def test_graph_replay_of_forward_alone_matches_oracle(generator):
         assert rel_l2(out, oracle_forward(fresh)) < 1e-6
 
 
-# (shapes, queries, points per level): an encoder-like problem (Q * NP >= 2 * S) takes the
-# aggregated backward; a small decoder-like one the per-point backward with each item's 8 points
-# sliced over two blocks (grid.y = 2).
+# (shapes, queries, points per level): an encoder (Q = S, Q * NP >= 2 * S) takes the aggregated
+# backward; a small decoder the direct backward in f32 and, in bf16, the per-point backward with
+# each item's 8 points sliced over two blocks (grid.y = 2).
 ZEROED_PROBLEMS = {"aggregated": ([(6, 8), (3, 4)], 60, 2),
-                   "sliced": ([(12, 16), (6, 8)], 20, 4)}
+                   "decoder": ([(12, 16), (6, 8)], 20, 4)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -126,10 +126,10 @@ def test_location_gradient_takes_the_cell_of_the_exact_coordinate(generator, cha
     assert rel_l2(grads[1][..., 0], expected[..., 0]) < 1e-5
 
 
-# Encoder-like problems (Q * NP >= 2 * S) take the aggregated backward, which merges the corners
-# of a block's points that land on the same value row before touching memory; decoder-like ones
-# take the per-point kernel. "dense": a small map under many queries (long slot lists per row);
-# "spread": a larger map (many distinct rows per block, the hash table fuller); "decoder": few
+# Encoders (Q = S, Q * NP >= 2 * S) take the aggregated backward, which merges the corners of a
+# block's points that land on the same value row before touching memory; decoders take the
+# per-point or direct kernels, with atomics on crowded rows here. "dense": a small map under many
+# queries (many corners a row); "spread": a larger map; "decoder": few
 # queries; "tiled": an encoder whose queries are the value's pixels (Q == S, the levels covering
 # [0, S) in order), whose backward gives each block a tile of neighbouring pixels instead of a run
 # of one pixel row (kernels/common.cuh, tiled_query): its levels have whole tiles, a right strip,
@@ -483,7 +483,7 @@ def test_half_grad_value_without_sm90_code_goes_through_the_f32_buffer(tmp_path)
     # Code built for GPUs before sm_90 (no half-precision vector atomics) accumulates a half
     # grad_value in an f32 buffer: a library with only sm_80 code (PTX compiled for this GPU
     # at load) asks for a workspace of 4 bytes per value element and rounds grad_value once,
-    # in the aggregated (encoder) and per-point (decoder) kernels. f32 rides along: without sm_90
+    # in the aggregated (encoder) and direct (decoder) kernels. f32 rides along: without sm_90
     # code its grad_value is zeroed by cudaMemsetAsync, not by zero_kernel with the aggregated
     # kernel as its programmatic dependent. Builds that library (about a minute); needs nvcc
     # and make.

@@ -46,8 +46,8 @@ AGG_SIDE, AGG_C = (1448, 1448), 128  # x H x 128: the same 2,147,024,896 element
 assert OVER[0] * OVER[1] * H * 32 > 2 ** 31 > UNDER[0] * UNDER[1] * H * 32
 assert AGG_SIDE[0] * AGG_SIDE[1] * AGG_C == UNDER[0] * UNDER[1] * 32
 BAND = 40  # rows at the end of the map that the points sample
-AGG_Q, AGG_P = 2 ** 16, 64  # Q * P = 2^22 >= 2 * S: the aggregated route
-AGG_INSIDE = 1 / 64  # share of the aggregated cases' points inside the map
+AGG_Q, AGG_P = AGG_SIDE[0] * AGG_SIDE[1], 2  # an encoder, Q = S, Q * P = 2 * S: aggregated
+AGG_INSIDE = 1 / 4096  # share of the aggregated cases' points inside the map
 
 UNIT = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
         torch.bfloat16: 2.0 ** -8}
@@ -65,23 +65,26 @@ def _cases():
         for det in (False, True):
             cases[("generic", dtype, det)] = _case("generic", dtype, det, side=OVER)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        # plain f16 decoders take the per-point kernel, f32 ones with 128 channels (the
-        # pipelined form has up to 64); plain bf16 decoders never do (pipelined)
+        # plain decoders of at most 4 points an item take the direct kernel; f16 ones of more
+        # than 16 points the per-point kernel, f32 ones with 128 channels (the pipelined form
+        # has up to 64) and 2^17 lanes; plain bf16 decoders never do (pipelined)
+        cases[("direct", dtype, False)] = _case("direct", dtype)
         if dtype == torch.float16:
-            cases[("point", dtype, False)] = _case("point", dtype)
+            cases[("point", dtype, False)] = _case("point", dtype, P=20)
         elif dtype == torch.float32:
-            cases[("point", dtype, False)] = _case("point", dtype, side=AGG_SIDE, C=AGG_C)
+            cases[("point", dtype, False)] = _case("point", dtype, side=AGG_SIDE, C=AGG_C,
+                                                   Q=512, P=6)
         cases[("point", dtype, True)] = _case("point", dtype, det=True)
-        if dtype == torch.float16:  # f16's sliced points take the per-point kernel
-            cases[("point-sliced-points", dtype, False)] = _case("point", dtype, P=8)
-        else:
-            cases[("point_sliced", dtype, False)] = _case("point_sliced", dtype, P=8)
+        if dtype != torch.float16:  # (f16's sliced points take the per-point kernel, above)
+            cases[("point_sliced", dtype, False)] = _case("point_sliced", dtype, P=20)
         for det in (False, True):
             cases[("aggregated", dtype, det)] = _case("aggregated", dtype, det, side=AGG_SIDE,
                                                       C=AGG_C, Q=AGG_Q, P=AGG_P,
                                                       inside=AGG_INSIDE)
     for dtype in (torch.float32, torch.bfloat16):
-        cases[("point_pipelined", dtype, False)] = _case("point_pipelined", dtype)
+        # (f32: 2^17 lanes, 128 items a block, are 4096 items; bf16: more than 4 points)
+        cases[("point_pipelined", dtype, False)] = _case("point_pipelined", dtype, Q=2048,
+                                                         P=6)
     return cases
 
 
@@ -378,7 +381,7 @@ def test_forward_and_backward_over_2_30_items_match_f64_cuda():
                     f"{free / 2 ** 30:.0f} GiB free")
     rows, cols = MANY_SIDE
     route = pymsda.routes.backward_route(1, rows * cols, 1, 4, 1, MANY_Q, 1, dtype)
-    assert route.kernel == "point", route
+    assert route.kernel == "direct", route
     gen = torch.Generator(device=DEVICE).manual_seed(30)
     value = torch.randn(1, rows * cols, 1, 4, device=DEVICE, dtype=dtype, generator=gen)
     loc = torch.rand(1, MANY_Q, 1, 1, 1, 2, device=DEVICE, generator=gen, dtype=dtype)

@@ -50,14 +50,16 @@ TABLE = [
     ("2^31 - 1023 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1023),
      R("generic")),
     ("2^31 - 1024 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1024),
-     R("point")),
+     R("direct")),
     ("17 levels", dict(dtype=f32, Q=900, L=17), R("generic")),
     ("misaligned", dict(dtype=f32, Q=900, aligned=False), R("generic")),
-    # the per-point kernel: f16 decoders, decoders with options, deterministic decoders, 128
-    # channels in f32, G < 4 encoders (no aggregated kernel for 1 or 2 threads an item)
-    ("f16 decoder", dict(dtype=f16, Q=900), R("point")),
+    # the per-point kernel: f16 decoders of many lanes, decoders with options, deterministic
+    # decoders, 128 channels in f32, G < 4 encoders (no aggregated kernel for 1 or 2 threads an
+    # item)
+    ("f16 decoder of 2^17 lanes", dict(dtype=f16, Q=1024), R("point")),
+    ("f16 rtdetr_dec_b8", dict(dtype=f16, B=8, S=8400, L=3, Q=300), R("point")),
     ("f32 decoder softmax (composed: the plain call's)", dict(dtype=f32, Q=900, softmax=True),
-     R("point_pipelined")),
+     R("direct")),
     ("bf16 decoder nearest", dict(dtype=bf16, Q=900, sampling="nearest"), R("point")),
     ("f32 decoder per-level points", dict(dtype=f32, Q=900, P=16, num_points_list=[1, 3, 5, 7]),
      R("point")),
@@ -66,14 +68,27 @@ TABLE = [
     ("f32 C=8 encoder", dict(dtype=f32, Q=19947, C=8), R("point")),
     ("sliced decoder deterministic", dict(dtype=bf16, Q=300, deterministic=True),
      R("point", True)),
-    # sliced points: too few blocks for the GPU (Deformable DETR's 300 queries)
-    ("f32 ddetr_dec", dict(dtype=f32, Q=300), R("point_sliced")),
-    ("f16 ddetr_dec (sliced, not split)", dict(dtype=f16, Q=300), R("point")),
+    # the direct kernel: plain decoders of few points an item (at most 4: BEVFormer's decoder),
+    # and f32 / f16 decoders of fewer than 2^17 lanes (items times C / 4) whose items have at
+    # most 16 points (4 a lane); bf16 keeps its pipelined kernel (below)
+    ("f32 ddetr_dec", dict(dtype=f32, Q=300), R("direct")),
+    ("f16 ddetr_dec", dict(dtype=f16, Q=300), R("direct")),
+    ("f32 dino_dec900", dict(dtype=f32, Q=900), R("direct")),
+    ("f16 dino_dec900", dict(dtype=f16, Q=900), R("direct")),
+    ("f32 one point a level", dict(dtype=f32, Q=300, P=1), R("direct")),
+    ("bf16 bev_dec (4 points)", dict(dtype=bf16, B=1, S=40000, L=1, Q=900), R("direct")),
+    ("bf16 4 points, many lanes", dict(dtype=bf16, B=8, S=40000, L=1, Q=9000), R("direct")),
+    ("f32 just under 2^17 lanes", dict(dtype=f32, Q=1023), R("direct")),
+    ("f32 at 2^17 lanes", dict(dtype=f32, Q=1024), R("point_pipelined")),
+    ("f32 32 points an item (8 a lane)", dict(dtype=f32, Q=300, P=8), R("point_sliced")),
+    ("f32 no value positions", dict(dtype=f32, S=0, Q=300), R("point_sliced")),
+    ("f16 A100 decoder", dict(dtype=f16, Q=300, device=A100), R("direct", False, True)),
+    # sliced points: too few blocks for the GPU (Deformable DETR's 300 queries), bf16
+    ("bf16 ddetr_dec", dict(dtype=bf16, Q=300), R("point_sliced")),
     ("bf16 ddetr_dec A100", dict(dtype=bf16, Q=300, device=A100), R("point_sliced", False, True)),
     # pipelined: plain f32 (up to 64 channels) and bf16 decoders that fill the GPU, or whose
     # items have fewer than 8 points (never sliced)
-    ("f32 one point a level", dict(dtype=f32, Q=300, P=1), R("point_pipelined")),
-    ("f32 dino_dec900", dict(dtype=f32, Q=900), R("point_pipelined")),
+    ("f32 rtdetr_dec_b8", dict(dtype=f32, B=8, S=8400, L=3, Q=300), R("point_pipelined")),
     ("bf16 dino_dec900", dict(dtype=bf16, Q=900), R("point_pipelined")),
     ("f32 C=64 decoder", dict(dtype=f32, Q=900, C=64), R("point_pipelined")),
     ("bf16 C=128 decoder", dict(dtype=bf16, Q=900, C=128), R("point_pipelined")),
@@ -86,11 +101,11 @@ TABLE = [
     # sm_90)
     ("bf16 ddetr_enc f32 points", dict(dtype=bf16, Q=19947, points_dtype=f32), R("aggregated")),
     ("f16 ddetr_enc f32 points", dict(dtype=f16, Q=19947, points_dtype=f32), R("aggregated")),
-    ("f16 dino_dec900 f32 points", dict(dtype=f16, Q=900, points_dtype=f32), R("point")),
+    ("f16 dino_dec900 f32 points", dict(dtype=f16, Q=900, points_dtype=f32), R("direct")),
     ("bf16 dino_dec900 f32 points", dict(dtype=bf16, Q=900, points_dtype=f32),
      R("point_pipelined")),
     ("bf16 ddetr_dec f32 points", dict(dtype=bf16, Q=300, points_dtype=f32), R("point_sliced")),
-    ("f16 ddetr_dec f32 points", dict(dtype=f16, Q=300, points_dtype=f32), R("point")),
+    ("f16 ddetr_dec f32 points", dict(dtype=f16, Q=300, points_dtype=f32), R("direct")),
     ("bf16 ddetr_dec f32 points A100", dict(dtype=bf16, Q=300, points_dtype=f32, device=A100),
      R("point_sliced", False, True)),
     ("bf16 dino_dec900 f32 points A100", dict(dtype=bf16, Q=900, points_dtype=f32,
@@ -111,18 +126,22 @@ TABLE = [
     ("f16 encoder A100", dict(dtype=f16, Q=19947, device=A100), R("aggregated", False, True)),
     ("f16 encoder A100 deterministic", dict(dtype=f16, Q=19947, device=A100, deterministic=True),
      R("aggregated", True)),
-    ("just under Q * L * P = 2 * S", dict(dtype=f32, Q=2493), R("point_pipelined")),
-    ("at Q * L * P = 2 * S", dict(dtype=f32, Q=2494), R("aggregated")),
+    # aggregated: encoders only (Q = S), from Q * L * P = 2 * S on; a decoder of as many points
+    # (BEVFormer's spatial cross-attention, scattered queries) takes a per-point kernel
+    ("encoder of one point, under Q * L * P = 2 * S", dict(dtype=f32, L=1, P=1, Q=19947),
+     R("direct")),
+    ("decoder at Q * L * P = 2 * S", dict(dtype=f32, Q=2494), R("point_pipelined")),
+    ("bev_sca", dict(dtype=f32, B=6, S=30825, P=8, Q=9000), R("point_pipelined")),
+    ("bev_sca f16", dict(dtype=f16, B=6, S=30825, P=8, Q=9000), R("point")),
     # no queries: grad_value is only zeroed
     ("no queries", dict(dtype=f32, Q=0), R("none")),
     ("no queries, f16 on an A100", dict(dtype=f16, Q=0, device=A100), R("none", False, True)),
     ("no batch, deterministic", dict(dtype=f32, B=0, deterministic=True), R("none")),
     # the gradients wanted: no grad_value, nothing to accumulate in a workspace
     ("f16 A100 without grad_value", dict(dtype=f16, Q=900, device=A100,
-                                         grads=("sampling_locations",)), R("point")),
+                                         grads=("sampling_locations",)), R("direct")),
     ("deterministic without grad_value", dict(dtype=f32, Q=900, deterministic=True,
-                                              grads=("attention_weights",)),
-     R("point_pipelined")),
+                                              grads=("attention_weights",)), R("direct")),
 ]
 
 
@@ -151,13 +170,25 @@ FORWARD_TABLE = [
     # G = C / 4 threads an item, every group size: float32 takes 4 channels a thread always
     *[(f"f32 encoder C={4 * G}", dict(dtype=f32, Q=ENCODER, C=4 * G), "fast")
       for G in (1, 2, 4, 8, 16, 32)],
-    *[(f"f32 decoder C={4 * G}", dict(dtype=f32, Q=900, C=4 * G), "fast")
-      for G in (1, 2, 4, 8, 16, 32)],
+    *[(f"f32 decoder C={4 * G}", dict(dtype=f32, Q=900, C=4 * G),
+       "direct" if 14400 * G < 2 ** 16 else "fast") for G in (1, 2, 4, 8, 16, 32)],
     # half types: 8 channels a thread (C / 8 threads an item) from 65536 items on, C >= 8
     *[(f"{str(d)[6:]} encoder C={4 * G}", dict(dtype=d, Q=ENCODER, C=4 * G),
        "fast" if G == 1 else "wide") for d in (f16, bf16) for G in (1, 2, 4, 8, 16, 32)],
-    *[(f"{str(d)[6:]} decoder C={4 * G}", dict(dtype=d, Q=900, C=4 * G), "fast")
+    *[(f"{str(d)[6:]} decoder C={4 * G}", dict(dtype=d, Q=900, C=4 * G),
+       "direct" if 14400 * G < 2 ** 16 else "fast")
       for d in (f16, bf16) for G in (1, 2, 4, 8, 16, 32)],
+    # the direct kernel: plain problems of at most 4 points an item (bev_tsa, bev_dec), or of
+    # fewer than 2^16 lanes (items times C / 4: ddetr_dec's 38400)
+    ("f32 ddetr_dec", dict(dtype=f32, Q=300), "direct"),
+    ("bf16 ddetr_dec", dict(dtype=bf16, Q=300), "direct"),
+    ("f32 just under 2^16 lanes", dict(dtype=f32, B=1, Q=1023), "direct"),
+    ("f32 at 2^16 lanes", dict(dtype=f32, B=1, Q=1024), "fast"),
+    ("f16 bev_tsa (4 points an item)", dict(dtype=f16, B=2, S=40000, L=1, Q=40000), "direct"),
+    ("f32 encoder of 4 points an item", dict(dtype=f32, Q=ENCODER, P=1), "direct"),
+    ("f32 encoder of 8 points an item", dict(dtype=f32, Q=ENCODER, P=2), "fast"),
+    ("f32 decoder nearest", dict(dtype=f32, sampling="nearest"), "fast"),
+    ("f32 decoder without value positions", dict(dtype=f32, S=0), "fast"),
     ("bf16 65528 items", dict(dtype=bf16, B=1, Q=8191), "fast"),
     ("bf16 65536 items", dict(dtype=bf16, B=1, Q=8192), "wide"),
     ("f16 65536 items C=4", dict(dtype=f16, B=1, Q=8192, C=4), "fast"),
@@ -169,7 +200,7 @@ FORWARD_TABLE = [
      "fast"),
     ("f32 decoder nearest softmax", dict(dtype=f32, sampling="nearest", softmax=True), "fast"),
     ("bf16 encoder f32 points", dict(dtype=bf16, Q=ENCODER, points_dtype=f32), "wide"),
-    ("f16 decoder f32 points", dict(dtype=f16, points_dtype=f32), "fast"),
+    ("f16 decoder f32 points", dict(dtype=f16, points_dtype=f32), "direct"),
     # the generic kernel: f64, channel counts the fast kernels lack, sizes past int32 offsets,
     # too many levels, misaligned tensors
     *[(f"f64 C={C}", dict(dtype=f64, Q=ENCODER, C=C), "generic") for C in (4, 32, 128)],
@@ -179,9 +210,11 @@ FORWARD_TABLE = [
     ("2^31 value elements", dict(dtype=f16, B=1, S=2 ** 23, Q=ENCODER), "generic"),
     ("just under 2^31 value elements", dict(dtype=f16, B=1, S=2 ** 23 - 1, Q=ENCODER), "wide"),
     ("2^31 - 1023 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1023), "generic"),
-    ("2^31 - 1024 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1024), "fast"),
+    ("2^31 - 1024 items", dict(dtype=f16, B=1, H=1, C=4, L=1, P=1, Q=2 ** 31 - 1024), "direct"),
     ("2^31 - 1024 items C=8", dict(dtype=bf16, B=1, H=1, C=8, L=1, P=1, Q=2 ** 31 - 1024,
-                                   S=1), "wide"),
+                                   S=1), "direct"),
+    ("2^31 - 1024 items of 8 points", dict(dtype=bf16, B=1, H=1, C=8, L=1, P=8,
+                                           Q=2 ** 31 - 1024, S=1), "wide"),
     ("17 levels", dict(dtype=bf16, Q=ENCODER, L=17), "generic"),
     ("16 levels", dict(dtype=bf16, Q=ENCODER, L=16), "wide"),
     ("f32 misaligned", dict(dtype=f32, aligned=False), "generic"),
@@ -213,7 +246,7 @@ def test_forward_route_refuses_bad_arguments_naming_them(bad, error, match):
     args = dict(dict(B=2, S=19947, H=8, C=32, L=4, Q=300, P=4, dtype=f32), **bad)
     sizes = [args.pop(k) for k in ("B", "S", "H", "C", "L", "Q", "P", "dtype")]
     if error is None:
-        assert forward_route(*sizes, **args) == "fast"
+        assert forward_route(*sizes, **args) == "direct"
         return
     with pytest.raises(error, match=match):
         forward_route(*sizes, **args)
@@ -241,22 +274,30 @@ def test_backward_route_refuses_bad_arguments_naming_them(bad, match):
 SHAPES = [(9, 11), (5, 6), (3, 3)]  # S = 138
 S_SMALL = sum(h * w for h, w in SHAPES)
 # (kernel, dtypes, channels, queries, points a level, options, deterministic); the queries and
-# points pick the route whatever the GPU's multiprocessor count: sliced needs 8 or more points
-# an item and few items; pipelined fewer than 8 (no slicing); aggregated Q * L * P >= 2 * S
+# points pick the route whatever the GPU's multiprocessor count: direct needs at most 16 points
+# an item (f32, f16; 4 in bf16) and fewer than 2^17 lanes (2 * Q * 3 items times C / 4);
+# sliced 8 or more points an item and few items; pipelined fewer than 8 (no slicing);
+# aggregated an encoder, Q = S = 138
 GPU_CASES = [
     ("generic", (f64, f32, f16, bf16), 3, 7, 2, {}, False),
     ("generic", (f64, f32, bf16), 6, 7, 2, {}, True),
-    ("point", (f16,), 32, 7, 2, {}, False),
+    ("direct", (f32, f16), 32, 7, 2, {}, False),  # 6 points: 2 lane groups an item
+    ("direct", (f32, f16), 32, 7, 5, {}, False),  # 15 points: 4 lane groups of 4 points
+    ("direct", (f32, f16, bf16), 32, 7, 1, {}, False),
+    ("direct", (f32,), 128, 7, 1, {}, False),  # 32 lanes of 4 channels, 1 lane group
+    ("direct", (f16,), 16, 7, 4, {}, False),
+    ("point", (f16,), 32, 2731, 2, {}, False),  # 2^17 lanes
     ("point", (f32, bf16), 32, 7, 2, dict(sampling="nearest"), False),
     ("point", (f32, f16), 128, 7, 2, dict(sampling="nearest"), False),
     ("point", (f32, f16, bf16), 32, 7, 2, {}, True),
-    ("point_sliced", (f32, bf16), 32, 7, 4, {}, False),
-    ("point", (f16,), 32, 7, 4, {}, False),  # f16 points sliced through the per-point kernel
-    ("point_pipelined", (f32, bf16), 16, 7, 2, {}, False),
-    ("point_pipelined", (f32,), 64, 7, 2, {}, False),
-    ("aggregated", (f32, f16, bf16), 32, 100, 2, {}, False),
-    ("aggregated", (f32, bf16), 64, 100, 2, dict(sampling="nearest"), False),
-    ("aggregated", (f32, f16, bf16), 16, 100, 2, {}, True),
+    ("point_sliced", (f32, bf16), 32, 7, 6, {}, False),
+    ("point", (f16,), 32, 7, 6, {}, False),  # f16 points sliced through the per-point kernel
+    ("point_pipelined", (f32, bf16), 16, 5462, 2, {}, False),  # 2^17 lanes
+    ("point_pipelined", (bf16,), 16, 7, 2, {}, False),
+    ("point_pipelined", (f32,), 64, 1366, 2, {}, False),
+    ("aggregated", (f32, f16, bf16), 32, S_SMALL, 2, {}, False),
+    ("aggregated", (f32, bf16), 64, S_SMALL, 2, dict(sampling="nearest"), False),
+    ("aggregated", (f32, f16, bf16), 16, S_SMALL, 2, {}, True),
     ("none", (f32, f16), 32, 0, 2, {}, False),
 ]
 GRADS = {"all": ALL_GRADS, "value": ("value",), "points": ("sampling_locations",
@@ -354,31 +395,37 @@ def test_each_route_matches_f64_oracle_cuda(generator, case):
                 name
 
 
-# (kernel, dtypes, channels, queries, options): one small problem per forward route and dtype,
-# half types also with float32 points; the wide form needs 65536 items (2 * Q * 3 heads)
+# (kernel, dtypes, channels, queries, points a level, options): one small problem per forward
+# route and dtype, half types also with float32 points; the wide form needs 65536 items
+# (2 * Q * 3 heads) of more than 4 points, the fast ones 2^16 lanes (items times C / 4)
 FWD_GPU_CASES = [
-    ("generic", (f64, f32, f16, bf16), 3, 7, {}),
-    ("fast", (f32, f16, bf16), 32, 7, {}),
-    ("fast", (f32, bf16), 16, 7, dict(sampling="nearest")),
-    ("wide", (f16, bf16), 16, 10923, {}),
-    ("wide", (f16, bf16), 8, 10923, dict(sampling="nearest")),
+    ("generic", (f64, f32, f16, bf16), 3, 7, 2, {}),
+    ("fast", (f32, f16, bf16), 32, 1366, 2, {}),
+    ("fast", (f32, bf16), 16, 7, 2, dict(sampling="nearest")),
+    ("wide", (f16, bf16), 16, 10923, 2, {}),
+    ("wide", (f16, bf16), 8, 10923, 2, dict(sampling="nearest")),
+    ("direct", (f32, f16, bf16), 32, 7, 2, {}),  # 4 lane groups an item
+    ("direct", (f32, f16, bf16), 32, 683, 1, {}),  # 2^15 lanes: 1 lane group
+    ("direct", (f32, bf16), 128, 7, 1, {}),
+    ("direct", (f16,), 4, 7, 5, {}),
 ]
-FWD_GPU_PARAMS = [(kernel, dtype, C, Q, options, points32)
-                  for kernel, dtypes, C, Q, options in FWD_GPU_CASES for dtype in dtypes
+FWD_GPU_PARAMS = [(kernel, dtype, C, Q, P, options, points32)
+                  for kernel, dtypes, C, Q, P, options in FWD_GPU_CASES for dtype in dtypes
                   for points32 in ((False, True) if dtype in (f16, bf16) else (False,))]
 
 
 def _fwd_gpu_id(p):
-    kernel, dtype, C, Q, options, points32 = p
+    kernel, dtype, C, Q, P, options, points32 = p
     extra = "".join(f"-{k}={v}" for k, v in options.items())
-    return f"{kernel}-{str(dtype)[6:]}-C{C}{extra}" + ("-points=f32" if points32 else "")
+    return (f"{kernel}-{str(dtype)[6:]}-C{C}-Q{Q}-P{P}{extra}"
+            + ("-points=f32" if points32 else ""))
 
 
 @requires_cuda
 @pytest.mark.parametrize("case", FWD_GPU_PARAMS, ids=[_fwd_gpu_id(p) for p in FWD_GPU_PARAMS])
 def test_each_forward_route_matches_f64_oracle_cuda(generator, case):
-    kernel, dtype, C, Q, options, points32 = case
-    L, P = len(SHAPES), 2
+    kernel, dtype, C, Q, P, options, points32 = case
+    L = len(SHAPES)
     assert forward_route(2, S_SMALL, 3, C, L, Q, P, dtype,
                          points_dtype=f32 if points32 else None, **options) == kernel
     inputs = make_point_inputs(generator, 2, Q, 3, C, SHAPES, [P] * L,

@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from .._torch_private import script_unsupported_because as _script_unsupported
+from .._trace import _options as _onnx_options
 
 # (module name, attribute) -> (the project's original, what replaced it)
 _SWITCHED = {}
@@ -24,11 +25,14 @@ def exporting():
     """Whether a tracer or exporter is recording the call: torch.jit.trace (which
     torch.onnx.export's TorchScript exporter and coremltools use), an ONNX export, or
     torch.export (which the dynamo ONNX exporter uses). torch.compile is not an export: pymsda's
-    registered op traces under it."""
-    if torch.jit.is_tracing():
-        return True
+    registered op traces under it. Nor is an ONNX export inside
+    pymsda.export.onnx_options(onnxruntime=True): the node of pymsda's ONNX Runtime op, which
+    only pymsda's code records, is what was asked for."""
     onnx_export = getattr(getattr(torch, "onnx", None), "is_in_onnx_export", None)
-    if onnx_export is not None and onnx_export():
+    in_onnx_export = onnx_export is not None and onnx_export()
+    if in_onnx_export and _onnx_options.onnxruntime:
+        return False
+    if torch.jit.is_tracing() or in_onnx_export:
         return True
     is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", None)
     return bool(is_exporting is not None and is_exporting())

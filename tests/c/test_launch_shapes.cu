@@ -140,12 +140,12 @@ int main(void) {
     MSDA_DTYPES(SWEEP)
 #undef SWEEP
     /* the sweep reaches every route (a route it never chose would go unchecked) */
-    for (int k = MSDA_FWD_ROUTE_GENERIC; k <= MSDA_FWD_ROUTE_WIDE; k++) {
+    for (int k = MSDA_FWD_ROUTE_GENERIC; k <= MSDA_FWD_ROUTE_DIRECT; k++) {
         int any = 0;
         for (int d = 0; d < MSDA_DTYPE_COUNT; d++) any |= seen_forward[d][k];
         CHECK(any, "no problem of the sweep takes forward route %d", k);
     }
-    for (int k = MSDA_ROUTE_GENERIC; k <= MSDA_ROUTE_AGGREGATED; k++) {
+    for (int k = MSDA_ROUTE_GENERIC; k <= MSDA_ROUTE_DIRECT; k++) {
         int any = 0;
         for (int d = 0; d < MSDA_DTYPE_COUNT; d++) any |= seen_backward[d][k];
         CHECK(any, "no problem of the sweep takes backward route %d", k);
