@@ -203,7 +203,7 @@ endif
 
 # omp_runtime: the OpenMP entry points the kernels call, bound to the runtime found at run time;
 # ort_op, ort_cuda: ONNX Runtime's op (RegisterCustomOps, exported beside msda_*).
-C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_kernels.o $(BUILD)/cpu_general.o \
+C_OBJS := $(BUILD)/msda.o $(BUILD)/routes.o $(BUILD)/cpu_plain.o $(BUILD)/cpu_options.o \
           $(BUILD)/omp_runtime.o $(BUILD)/ort_op.o $(BUILD)/ort_cuda.o
 
 # ---- targets -----------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ $(BUILD)/%.o: c/%.c $(wildcard c/*.h c/*.inc) $(BUILD)/config | $(BUILD) $(BUILD
 	$(call say,CC    $<)
 	$(Q)$(CC) $(ALL_CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh) c/msda.h c/msda_internal.h $(BUILD)/config | $(BUILD) $(BUILD)/started
+$(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh c/*.h) $(BUILD)/config | $(BUILD) $(BUILD)/started
 	@mkdir -p $(dir $@)
 	$(call say,NVCC  $< ($(words $(ARCH_LIST)) targets))
 	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@
@@ -291,7 +291,7 @@ wheel: $(if $(ZIG),$(PORTABLE_LIB),$(LIB))
 	    echo "built $(DIST)/$$wheel in $$(( $$(date +%s) - $(START) )) s"
 
 # ---- tests -------------------------------------------------------------------------------------
-$(BUILD)/test_c_api: tests/c/test_c_api.c $(LIB) c/msda.h c/half.h
+$(BUILD)/test_c_api: tests/c/test_c_api.c $(LIB) c/msda.h c/dtypes.h
 	$(CC) -std=c11 -O1 -Wall -Ic $< -o $@ -L$(BUILD) -lpymsda -Wl,-rpath,'$$ORIGIN' -lm
 
 test-c: $(BUILD)/test_c_api

@@ -1,5 +1,5 @@
-/* c/cpu_common.h: the setup both CPU kernel families share: c/cpu_kernels.c (the tuned plain
- * op) and c/cpu_general.c (per-level points, nearest sampling). Each includes it once:
+/* c/cpu_common.h: the setup both CPU kernel families share: c/cpu_plain.c (the tuned plain
+ * op) and c/cpu_options.c (per-level points, nearest sampling). Each includes it once:
  *   - the template idiom of their per-element-type kernels (below);
  *   - a level's sizes read from the caller's shape tables (cpu_level_at);
  *   - the thread count of a call and the thread's number (cpu_threads, cpu_thread_num);
@@ -11,7 +11,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "half.h"
 #include "msda_internal.h"
 
 #ifdef _OPENMP
@@ -19,13 +18,13 @@
 #endif
 
 /* ---- the template idiom ---------------------------------------------------------------------
- * A family writes its kernels once, in .inc files that its .c file includes once per element
- * type with SUFFIX (f32, f64, f16, bf16), SCALAR (the storage type), ACC (the accumulation type)
- * and HALF_STORAGE (1 for f16 / bf16) defined, and any parameter of its own; the .inc file
- * #undefs them at its end. Inside, FN(name) is name_SUFFIX (a function or type of this element
- * type), LOAD and STORE the element conversions of c/half.h for SCALAR. */
-#define MSDA_CAT_(a, b) a##_##b
-#define MSDA_CAT(a, b) MSDA_CAT_(a, b)
+ * A family writes its kernels once, in a .inc file that its .c file names as CPU_TEMPLATE before
+ * it includes c/cpu_instances.inc, which includes the template once per row of the dtype table
+ * (MSDA_DTYPES, c/dtypes.h) with SUFFIX (f32, f64, f16, bf16), SCALAR (the CPU storage type),
+ * ACC (the accumulation type) and HALF_STORAGE (the row's half column) defined. Inside,
+ * FN(name) is name_SUFFIX (a function or type of this element type), LOAD and STORE the element
+ * conversions of c/dtypes.h for SCALAR. A family's dispatch tables are rows of the same table
+ * (run_kernel). */
 #define FN(name) MSDA_CAT(name, SUFFIX)
 #define LOAD FN(load)
 #define STORE FN(store)
@@ -111,10 +110,11 @@ static void free_tables(cpu_tables *t);
 /* A kernel of one element type. */
 typedef int (*cpu_kernel)(const msda_problem *pr, const cpu_tables *t);
 
-/* kernels[pr->dtype] (indexed by msda_dtype) on the call's tables, read once. */
+/* kernels[pr->dtype] (indexed by msda_dtype: a family's table is {MSDA_DTYPES(entry)}) on the
+ * call's tables, read once. */
 static inline int run_kernel(const msda_problem *pr, const char *fn,
-                             const cpu_kernel kernels[4]) {
-    if (pr->dtype < MSDA_F32 || pr->dtype > MSDA_BF16)
+                             const cpu_kernel kernels[MSDA_DTYPE_COUNT]) {
+    if (pr->dtype < 0 || pr->dtype >= MSDA_DTYPE_COUNT)
         return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
     cpu_tables *t = NULL;
     int st = read_tables(pr, fn, &t);

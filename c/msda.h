@@ -31,7 +31,10 @@
  *     clamped to its own size). A non-finite location contributes nothing. The location
  *     gradient is 0 (the sample is piecewise constant in the location).
  *   Bit 2 (MSDA_REMOVED_SOFTMAX) was a fused softmax of the weights until ABI 8; no call took
- *     it (softmax composed with the plain op was faster), so it is refused: softmax first.
+ *     it (softmax composed with the plain op was faster), so it is refused: softmax first. The
+ *     name stays until the next ABI bump, because removing it breaks the build of C callers
+ *     that name it, which is the kind of change a bump announces; at that bump it goes (c/msda.c
+ *     fails to compile until it does). The bit itself stays refused for good, never reused.
  *   MSDA_DETERMINISTIC (backward): grad_value is accumulated in a fixed order-independent way
  *     (64-bit fixed point in `workspace`, whose integer sums are associative), so that repeated
  *     runs give bitwise identical gradients. On CUDA it needs a workspace of

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dtypes.h"
+#include "launch.h"
 #include "msda.h"
 
 #ifdef __cplusplus
@@ -29,7 +31,8 @@ typedef struct {
  * c/msda.h without level_points; a level_points table whose counts are all equal is turned into
  * this form by the entry point). With uniform_points = 0 level l owns the points
  * [point_start[l], point_start[l+1]) of NP = P = point_start[L] in all (L <= MSDA_MAX_POINT_LEVELS,
- * NP < 2^31); only the general kernels (msda_cpu_*_general, the generic CUDA kernels) see it. */
+ * NP < 2^31); only the kernels with the option code (msda_cpu_options_*, the generic CUDA
+ * kernels, the fast ones compiled with it) see it. */
 typedef struct {
     int64_t B, S, H, C, L, Q, P;
     int64_t NP;               /* points per (b, q, h) over all levels */
@@ -71,24 +74,22 @@ int msda_forward_pooled(const msda_args *args, const msda_thread_pool *pool);
  * the first parallel call), 0 when they run on the calling thread only. */
 int msda_openmp_available(void);
 
-/* Bytes of one element of `dtype` (0 for an unknown code). */
-int64_t msda_dtype_size(int dtype);
 /* Bytes of one element of sampling_locations, attention_weights and their gradients. */
 static inline int64_t msda_point_size(const msda_problem *pr) {
     return (pr->flags & MSDA_POINTS_F32) ? 4 : msda_dtype_size(pr->dtype);
 }
 
-/* CPU kernels (c/cpu_kernels.c): the plain op (uniform points, no MSDA_NEAREST;
- * MSDA_DETERMINISTIC needs nothing on the CPU). */
-int msda_cpu_forward(const msda_problem *pr);
-int msda_cpu_backward(const msda_problem *pr);
-/* CPU kernels for every other problem (c/cpu_general.c): per-level point counts, nearest
- * sampling. */
-int msda_cpu_forward_general(const msda_problem *pr);
-int msda_cpu_backward_general(const msda_problem *pr);
+/* CPU kernels of the tuned plain op (c/cpu_plain.c): uniform points, no MSDA_NEAREST
+ * (MSDA_DETERMINISTIC needs nothing on the CPU). */
+int msda_cpu_plain_forward(const msda_problem *pr);
+int msda_cpu_plain_backward(const msda_problem *pr);
+/* CPU kernels of the options, for every other problem (c/cpu_options.c): per-level point
+ * counts, nearest sampling. */
+int msda_cpu_options_forward(const msda_problem *pr);
+int msda_cpu_options_backward(const msda_problem *pr);
 /* 1 when the problem uses an option (per-level point counts, nearest sampling): the
- * general CPU kernels serve it, and the CUDA fast kernels compiled with their option code. */
-static inline int msda_needs_general(const msda_problem *pr) {
+ * options' CPU kernels serve it, and the CUDA fast kernels compiled with their option code. */
+static inline int msda_uses_options(const msda_problem *pr) {
     return !pr->uniform_points || (pr->flags & MSDA_NEAREST);
 }
 
@@ -134,14 +135,12 @@ static inline unsigned int msda_grid_blocks(int64_t items, int64_t per_block,
 #define MSDA_MAX_GRID_BLOCKS 0x7fffffff
 
 /* ---- the CUDA routes (c/routes.c; the launchers in kernels/ switch on them) ----------------
- * Constants the host plans with and the kernels are built with. */
+ * Constants the host plans with and the kernels are built with (the block sizes: c/launch.h). */
 /* the fast kernels' level table (in shared memory) */
 #define MSDA_FAST_MAX_LEVELS 16
-/* Forward: threads a block of the wide kernels (8 channels a thread), the fastest of 64, 128 and
- * 256 (kernels/TUNING.md, forward v20; the 4-channel kernels take 256), and the items from which
- * half types take them: encoders gain, a decoder's few thousand items would fill too few
- * threads (forward v8, v10). */
-#define MSDA_FWD_WIDE_THREADS 128
+/* Forward: the items from which half types take the wide kernels (8 channels a thread, their
+ * block: c/launch.h): encoders gain, a decoder's few thousand items would fill too few threads
+ * (kernels/TUNING.md, forward v8, v10). */
 #define MSDA_FWD_WIDE_MIN_ITEMS 65536
 /* Forward, direct kernel: items of at most MSDA_FWD_DIRECT_MAX_POINTS points take it whatever
  * their count, and any plain problem whose items times C / 4 fall short of
@@ -166,7 +165,7 @@ typedef struct {
     int group;   /* fast kernels: threads an item's channels take (C / vec); 0 generic */
     int vec;     /* fast kernels: channels a thread (4, or 8: wide, half-type direct) */
     int split;   /* direct kernel: lane groups an item's points are split over (1, 2, 4) */
-    int options; /* fast kernels: compiled with the option code (msda_needs_general) */
+    int options; /* fast kernels: compiled with the option code (msda_uses_options) */
     unsigned int blocks; /* gridDim.x */
 } msda_forward_plan;
 
@@ -174,7 +173,7 @@ typedef struct {
     int kernel;     /* MSDA_ROUTE_NONE .. MSDA_ROUTE_DIRECT (c/msda.h) */
     int modifiers;  /* MSDA_ROUTE_DETERMINISTIC | MSDA_ROUTE_F32_WORKSPACE */
     int group;      /* fast kernels: G = C / 4 threads an item (0 for the generic kernel) */
-    int options;    /* fast kernels: compiled with the option code (msda_needs_general) */
+    int options;    /* fast kernels: compiled with the option code (msda_uses_options) */
     int slices;     /* gridDim.y: slices of each item's points */
     int split;      /* direct kernel: lane groups an item's points are split over (1, 2, 4) */
     unsigned int blocks; /* gridDim.x */

@@ -1,14 +1,15 @@
 /* c/routes.c: which kernel serves a CUDA forward or backward (the routes of c/msda.h), chosen
- * here and only here. Plain C, in every build: the CUDA launchers (kernels/forward.cu,
- * kernels/backward.cuh) switch on the plan, msda_forward_route and msda_backward_route report
- * it, and a CPU-only build can still be asked what a GPU would run. The numbers behind each rule
- * are in kernels/TUNING.md. */
+ * here and only here. Plain C, in every build: the CUDA launchers turn the plan into a kernel
+ * instance (kernels/forward.cuh with_forward_kernel, kernels/backward.cuh with_backward_kernel),
+ * msda_forward_route and msda_backward_route report it, and a CPU-only build can still be asked
+ * what a GPU would run. Each grid is sized with the block sizes of c/launch.h. The numbers
+ * behind each rule are in kernels/TUNING.md. */
 #include "msda_internal.h"
 
-static int is_half(int dtype) { return dtype == MSDA_F16 || dtype == MSDA_BF16; }
+static int is_half(int dtype) { return msda_dtype_half(dtype); }
 
 int msda_fast_group(const msda_problem *pr) {
-    if (pr->dtype == MSDA_F64 || pr->C % 4 != 0) return 0;
+    if (!msda_dtype_acc_f32(pr->dtype) || pr->C % 4 != 0) return 0;
     const int64_t G = pr->C / 4;
     if (G > 32 || (G & (G - 1)) != 0) return 0;
     /* the fast kernels' offsets and items are int32, and an item index is a block's first
@@ -36,12 +37,12 @@ static int direct_split(const msda_problem *pr, int64_t items, int G) {
 void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan *plan) {
     const int64_t items = pr->B * pr->Q * pr->H;
     const int G = aligned16 ? msda_fast_group(pr) : 0;
-    const int direct = !msda_needs_general(pr) && G > 0 && pr->S >= 1 &&
+    const int direct = !msda_uses_options(pr) && G > 0 && pr->S >= 1 &&
                        (pr->NP <= MSDA_FWD_DIRECT_MAX_POINTS || items * G < MSDA_FWD_DIRECT_LANES);
     /* half types in encoders, and in the direct kernel: 8 channels a thread, half the threads
      * an item */
     const int wide = is_half(pr->dtype) && G >= 2 && (direct || items >= MSDA_FWD_WIDE_MIN_ITEMS);
-    plan->options = msda_needs_general(pr);
+    plan->options = msda_uses_options(pr);
     plan->vec = wide ? 8 : 4;
     plan->group = wide ? G / 2 : G;
     plan->split = 1;
@@ -49,18 +50,19 @@ void msda_plan_forward(const msda_problem *pr, int aligned16, msda_forward_plan 
         plan->kernel = MSDA_FWD_ROUTE_NONE;
         plan->group = 0;
         plan->blocks = 1;
-    } else if (G == 0) { /* one warp an item, 8 a block */
+    } else if (G == 0) {
         plan->kernel = MSDA_FWD_ROUTE_GENERIC;
-        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_GENERIC_BLOCK_ITEMS, MSDA_MAX_GRID_BLOCKS);
     } else if (direct) {
         plan->kernel = MSDA_FWD_ROUTE_DIRECT;
         plan->split = direct_split(pr, items, plan->group);
-        plan->blocks = msda_grid_blocks(items, 256 / (plan->group * plan->split),
+        plan->blocks = msda_grid_blocks(items, MSDA_DIRECT_BLOCK_ITEMS(plan->group * plan->split),
                                         MSDA_MAX_GRID_BLOCKS);
     } else {
         plan->kernel = wide ? MSDA_FWD_ROUTE_WIDE : MSDA_FWD_ROUTE_FAST;
-        const int threads = wide ? MSDA_FWD_WIDE_THREADS : 256;
-        plan->blocks = msda_grid_blocks(items, threads / plan->group, MSDA_MAX_GRID_BLOCKS);
+        const int threads = wide ? MSDA_FWD_WIDE_THREADS : MSDA_BLOCK_THREADS;
+        plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(threads, plan->group),
+                                        MSDA_MAX_GRID_BLOCKS);
     }
 }
 
@@ -110,7 +112,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     plan->modifiers = (det ? MSDA_ROUTE_DETERMINISTIC : 0) |
                       (msda_backward_f32_workspace(pr, sm90_code) ? MSDA_ROUTE_F32_WORKSPACE : 0);
     plan->group = 0;
-    plan->options = msda_needs_general(pr);
+    plan->options = msda_uses_options(pr);
     plan->slices = 1;
     plan->split = 1;
     plan->blocks = 1;
@@ -121,8 +123,7 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
     const int G = aligned16 ? msda_fast_group(pr) : 0;
     if (G == 0) {
         plan->kernel = MSDA_ROUTE_GENERIC;
-        /* 8 warps a block, one warp an item */
-        plan->blocks = msda_grid_blocks(items, 8, MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_GENERIC_BLOCK_ITEMS, MSDA_MAX_GRID_BLOCKS);
         return;
     }
     /* encoders: each pixel's query samples around its own pixel, so a block's corners repeat
@@ -130,18 +131,19 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
      * position (kernels/TUNING.md, backward v53; bev_sca) */
     const int aggregates = pr->Q == pr->S && pr->Q * pr->NP >= 2 * pr->S;
     plan->group = G;
-    plan->blocks = msda_grid_blocks(items, 256 / G, MSDA_MAX_GRID_BLOCKS);
+    plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(MSDA_BLOCK_THREADS, G),
+                                    MSDA_MAX_GRID_BLOCKS);
     plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     const int split = direct_backward_split(pr, items, G);
     if (!det && !plan->options && !aggregates && split > 0) {
         plan->kernel = MSDA_ROUTE_DIRECT;
         plan->split = split;
         plan->slices = 1;
-        plan->blocks = msda_grid_blocks(items, 256 / (G * split), MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_DIRECT_BLOCK_ITEMS(G * split),
+                                        MSDA_MAX_GRID_BLOCKS);
     } else if (G >= 4 && aggregates) {
         plan->kernel = MSDA_ROUTE_AGGREGATED;
-        /* two items a group of G threads */
-        plan->blocks = msda_grid_blocks(items, 512 / G, MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_AGG_BLOCK_ITEMS(G), MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !plan->options && plan->slices > 1 && pr->dtype != MSDA_F16) {
         /* sliced points scattered after the zeroing: faster than the per-point kernel with
@@ -149,9 +151,10 @@ void msda_plan_backward(const msda_problem *pr, int aligned16, int multiprocesso
          * "Re-measured in the redesign": POINT_SLICED) */
         plan->kernel = MSDA_ROUTE_POINT_SLICED;
     } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_F32 && G <= 16) {
-        /* 2 channels a thread: twice the threads of the 4-channel form */
+        /* 2 channels a thread: groups of 2 * G threads, twice the 4-channel form's */
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;
-        plan->blocks = msda_grid_blocks(items, 256 / (2 * G), MSDA_MAX_GRID_BLOCKS);
+        plan->blocks = msda_grid_blocks(items, MSDA_STAGED_BLOCK_ITEMS(MSDA_BLOCK_THREADS, 2 * G),
+                                        MSDA_MAX_GRID_BLOCKS);
         plan->slices = point_slices(pr, plan->blocks, multiprocessors);
     } else if (!det && !plan->options && !aggregates && pr->dtype == MSDA_BF16) {
         plan->kernel = MSDA_ROUTE_POINT_PIPELINED;

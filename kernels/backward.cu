@@ -54,7 +54,7 @@ bool sm90_code(int device) {
     return known[device] == 2;
 }
 
-msda_backward_plan plan_of(const msda_problem *pr) {
+msda_backward_plan backward_plan_of(const msda_problem *pr) {
     const bool sm90 = sm90_code(pr->device);
     /* with MSDA_ROUTE_F32_WORKSPACE the kernels write the workspace instead of grad_value */
     const void *written = msda_backward_f32_workspace(pr, sm90) ? pr->workspace : pr->grad_value;
@@ -69,7 +69,7 @@ cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_
     return cudaMemsetAsync(pr->grad_value, 0, (size_t)bytes, stream);
 }
 
-cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t bytes,
+cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int threads, int64_t bytes,
                              const msda_problem *pr, cudaStream_t stream) {
     bool pdl = false;
     if (bytes > 0 && pr->grad_value) {
@@ -89,7 +89,7 @@ cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t by
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(256);
+    cfg.blockDim = dim3(threads);
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
@@ -99,9 +99,10 @@ cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int64_t by
 // ---------------------------------------------------------------------------------------------
 // entry points
 
+#define LAUNCHER_OF(code, suffix, ...) MSDA_CAT(msda_backward_launch, suffix),
+
 extern "C" int msda_cuda_backward(const msda_problem *pr) {
-    static const msda_launcher by_dtype[4] = {msda_backward_launch_f32, msda_backward_launch_f64,
-                                              msda_backward_launch_f16, msda_backward_launch_bf16};
+    static const msda_launcher by_dtype[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(LAUNCHER_OF)};
     return run_launcher("msda_backward", pr, by_dtype);
 }
 

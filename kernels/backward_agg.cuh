@@ -8,11 +8,13 @@
  * G / 2 lanes, 8 channels a lane, one walker per row segment.
  * Numerics: f32 sums; per-point gradients from dots summed in a fixed order (bitwise repeatable);
  * grad_value per row and block by atomics, or fixed point with MSDA_DETERMINISTIC.
- * H100 (BENCHMARKS.md): ddetr_enc backward f32 / bf16 / f16 0.420 / 0.390 / 0.390 ms, m2f_enc
- * 0.365 / 0.331 / 0.332 (the per-point kernel: ~0.88 ms at ddetr_enc f32; kernels/TUNING.md). */
+ * Why: the rule (Q * NP >= 2 * S) sends encoders here, where the merged rows take about half
+ * the per-point kernel's time, and keeps decoders off, where it loses (kernels/TUNING.md,
+ * "Backward, aggregated (encoders)", v8-v40; "Backward, per-point and generic", v53); today's
+ * times: BENCHMARKS.md. */
 #pragma once
 
-#include "backward_common.cuh"
+#include "backward_agg_rows.cuh"
 
 /* Slot lists longer than MSDA_AGG_CAP are walked in segments by several walkers: the filer of a
  * row's n-th slot (n = MSDA_AGG_CAP, 2 * MSDA_AGG_CAP, ...) marks it, and a segment runs from
@@ -70,8 +72,8 @@ __device__ __forceinline__ int next_slot_of(const int2 *s_meta, int2 &m) {
  * chunk (4 for C = 32, one level of Deformable DETR's points), NS corner slots, a hash table of
  * HS = NS positions (at most NS distinct rows). */
 template <int G> struct StageAgg {
-    static constexpr int NT = 256;      /* threads a block */
-    static constexpr int GPB = 256 / G; /* groups per block */
+    static constexpr int NT = MSDA_BLOCK_THREADS; /* threads a block */
+    static constexpr int GPB = NT / G;            /* groups per block */
     static constexpr int K0 = G < 2 ? 2 : (G > 16 ? 16 : G);
     static constexpr int MUL = K0 >= 2 ? 2 : 1; /* items per group */
     static constexpr int IPB = GPB * MUL;       /* items per block */
@@ -83,129 +85,30 @@ template <int G> struct StageAgg {
     static constexpr int HS = NS;          /* hash positions */
     static constexpr int HBITS = HS >= 2048 ? 11 : (HS >= 1024 ? 10 : 9);
     static_assert((1 << HBITS) == HS, "HS is a power of two");
-    static_assert(G < 2 || NS % 256 == 0, "every thread files the same number of slots");
-};
-
-/* A walker's sums over one row segment (step 3 of msda_backward_agg): load() reads the lane's
- * 8 value channels of the row (zeros where !on), step() adds slot `il`'s item with coefficient
- * cf and returns the lane's part of grad_output . row, flush() adds the sums to grad_value.
- * RowSums: lane `part` owns channels part * 8 .. + 7 in two 4-channel halves, summed in f32
- * apart and then added, so the point gradients have the same bits whichever half a walker
- * takes first (odd walkers take them in the other order, so that the two walkers of a quarter
- * warp read s_go from different banks; which walker gets a row varies from run to run); one
- * 16-byte atomic per half, or one half-precision vector reduction. s_go is indexed as float4s
- * of the shared array itself (a generic pointer into it had the compiler recompute shared
- * addresses in every step of the walk). */
-template <typename T, int G, bool NATIVE> struct RowSums {
-    int odd, h0, h1, q0, q1;
-    float v[8], a0[4], a1[4];
-    __device__ __forceinline__ RowSums(int walker, int part, long long *, float)
-        : odd(walker & 1), h0(part * 8 + (walker & 1) * 4), h1(part * 8 + 4 - (walker & 1) * 4),
-          q0(h0 >> 2), q1(h1 >> 2) {}
-    __device__ __forceinline__ void load(const msda_problem &pr, int key, bool on) {
-        if (on) {
-            float u[8];
-            load_vec8((const T *)pr.value + (unsigned)key + (h0 & ~7), u);
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                v[q] = odd ? u[q + 4] : u[q];
-                v[q + 4] = odd ? u[q] : u[q + 4];
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < 4; q++) a0[q] = a1[q] = 0.f;
-    }
-    template <int N>
-    __device__ __forceinline__ float step(const float4 (&s_go)[N], int il, float cf, bool gv,
-                                          bool dots) {
-        const float4 g0 = s_go[il * G + q0];
-        const float4 g1 = s_go[il * G + q1];
-        if (gv) {
-            a0[0] += cf * g0.x, a0[1] += cf * g0.y, a0[2] += cf * g0.z, a0[3] += cf * g0.w;
-            a1[0] += cf * g1.x, a1[1] += cf * g1.y, a1[2] += cf * g1.z, a1[3] += cf * g1.w;
-        }
-        if (!dots) return 0.f;
-        const float d0 = g0.x * v[0] + g0.y * v[1] + g0.z * v[2] + g0.w * v[3];
-        const float d1 = g1.x * v[4] + g1.y * v[5] + g1.z * v[6] + g1.w * v[7];
-        return d0 + d1;
-    }
-    __device__ __forceinline__ void flush(const msda_problem &pr, int key) {
-        if constexpr (NATIVE) {
-            float a8[8]; /* the lane's 8 channels in order: odd walkers hold them swapped */
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                a8[q] = odd ? a1[q] : a0[q];
-                a8[q + 4] = odd ? a0[q] : a1[q];
-            }
-            red_half<T, 8>((T *)pr.grad_value + (unsigned)key + (h0 & ~7), a8);
-        } else {
-            atomic_add_vec<4>((float *)pr.grad_value + (unsigned)key + h0, a0);
-            atomic_add_vec<4>((float *)pr.grad_value + (unsigned)key + h1, a1);
-        }
-    }
-};
-
-/* DetRowSums (MSDA_DETERMINISTIC): lane `part` owns channels part + WG * q, so each of its 8
- * integer atomics covers WG consecutive words (whole sectors). Each contribution is rounded to
- * the fixed point on its own, as msda_backward_fast rounds them, so the integer sum is exact
- * and grad_value has the same bits as there. */
-template <typename T, int G> struct DetRowSums {
-    static constexpr int WG = G / 2;
-    long long *acc_row;
-    float scale;
-    int part;
-    float v[8];
-    long long acc[8];
-    __device__ __forceinline__ DetRowSums(int, int part_, long long *det_acc, float scale_)
-        : acc_row(det_acc), scale(scale_), part(part_) {}
-    __device__ __forceinline__ void load(const msda_problem &pr, int key, bool on) {
-        const T *value = (const T *)pr.value;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            v[q] = on ? to_acc(value[key + part + WG * q]) : 0.f;
-            acc[q] = 0;
-        }
-    }
-    template <int N>
-    __device__ __forceinline__ float step(const float4 (&s_go)[N], int il, float cf, bool gv,
-                                          bool) {
-        const float *gi = reinterpret_cast<const float *>(s_go) + il * (4 * G) + part;
-        float d = 0.f;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const float gq = gi[WG * q];
-            if (gv) acc[q] += llrintf(cf * gq * scale);
-            d += gq * v[q];
-        }
-        return d;
-    }
-    __device__ __forceinline__ void flush(const msda_problem &, int key) {
-#pragma unroll
-        for (int q = 0; q < 8; q++)
-            if (acc[q] != 0)
-                atomicAdd((unsigned long long *)(acc_row + key + part + WG * q),
-                          (unsigned long long)acc[q]);
-    }
+    static_assert(G < 2 || NS % NT == 0, "every thread files the same number of slots");
+    static_assert(IPB == MSDA_AGG_BLOCK_ITEMS(G), "c/routes.c sizes the grid for these items");
 };
 
 /* Aggregated backward (G >= 4; c/routes.c chooses it where Q * NP >= 2 * S). A block holds
  * 2 * 256 / G neighbouring queries of one head (head-major items; an encoder's in a tile of
  * pixels, fill_items), whose points land on many of the same pixels: on realistic ddetr_enc
- * inputs the 64 x 4 x 4 corners of a chunk hit ~7x fewer distinct value rows. Per staged chunk:
- *   1. file: one thread per corner ("slot") files it under its row (value / grad_value offset)
- *      in a shared-memory hash table (open addressing; a linked list of slots per row and a
- *      count; new rows numbered warp by warp), with its coefficient A * w_k. The row's
- *      MSDA_AGG_CAP-th, 2 * MSDA_AGG_CAP-th, ... slot is marked: it starts a segment of the
- *      list. Walk entries: one per row (its list's head segment), one per marked slot;
- *   2. sort the entries by their segments' estimated lengths (from the counts; counting sort,
- *      longest first), so the walkers of a warp, which step together, have about the same
- *      number of slots;
- *   3. walk: one walker of G/2 lanes (8 channels a lane) per entry loads the value row once
- *      and, over the segment's slots, sums coefficient * grad_output (then one 16-byte atomic
- *      per 4 channels: global atomics drop by the duplication factor) and parks each slot's
- *      grad_output . row in s_dot;
- *   4. point gradients from the four dots of each point: with d_k = g . v_k,
- *      dL/dA = sum_k w_k d_k, dL/dfx = (1-fy)(d1-d0) + fy(d3-d2),
+ * inputs the 64 x 4 x 4 corners of a chunk hit ~7x fewer distinct value rows. Per staged chunk,
+ * one function a phase:
+ *   1. file (agg_file_corners): one thread per corner ("slot") files it under its row (value /
+ *      grad_value offset) in a shared-memory hash table (open addressing; a linked list of
+ *      slots per row and a count; new rows numbered warp by warp), with its coefficient
+ *      A * w_k. The row's MSDA_AGG_CAP-th, 2 * MSDA_AGG_CAP-th, ... slot is marked: it starts a
+ *      segment of the list. Walk entries: one per row (its list's head segment), one per
+ *      marked slot;
+ *   2. sort (agg_sort_entries) the entries by their segments' estimated lengths (from the
+ *      counts; counting sort, longest first), so the walkers of a warp, which step together,
+ *      have about the same number of slots;
+ *   3. walk (agg_walk): one walker of G/2 lanes (8 channels a lane) per entry loads the value
+ *      row once and, over the segment's slots, sums coefficient * grad_output (then one 16-byte
+ *      atomic per 4 channels: global atomics drop by the duplication factor) and parks each
+ *      slot's grad_output . row in s_dot;
+ *   4. point gradients (agg_point_gradients) from the four dots of each point: with
+ *      d_k = g . v_k, dL/dA = sum_k w_k d_k, dL/dfx = (1-fy)(d1-d0) + fy(d3-d2),
  *      dL/dfy = (1-fx)(d2-d0) + fx(d3-d1).
  * DET (MSDA_DETERMINISTIC): each contribution is rounded to the 64-bit fixed point on its own
  * (as in msda_backward_fast, so grad_value has the same bits), the walk sums them as integers
@@ -213,6 +116,241 @@ template <typename T, int G> struct DetRowSums {
  * part + (G/2) * q there, so a walker's atomics cover whole sectors. The point gradients come
  * from dots summed in a fixed order either way. */
 #define MSDA_AGG_BUCKETS 16 /* segment lengths 1 .. 15 and 16 or more */
+
+/* The kernel's shared memory, one object, so every array is one base address plus a constant:
+ * with separate __shared__ arrays the compiler (48 registers) rebuilt each array's
+ * shared-window address (S2UR SR_CgaCtaId, ULEA) inside the walk loop, 13 of its 59
+ * instructions a step. */
+template <int G> struct AggShared {
+    typedef StageAgg<G> St;
+    int4 lvl[MSDA_FAST_MAX_LEVELS];
+    int4 offs[St::IPB * St::STRIDE];
+    float4 geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
+    float4 go[St::IPB * G];           /* grad_output of the block's items */
+    int2 meta[St::NS];                /* {A * w_k, link}, per slot (walk_entry) */
+    alignas(16) float dot[St::NS];    /* g . corner row, per slot (read as float4s) */
+    int2 item[St::IPB];               /* {row, head offset} per item */
+    int key[St::HS];
+    int head[St::HS];
+    int cnt2[St::HS / 2]; /* slots filed per row, two 16-bit counts a word */
+    int bucket[MSDA_AGG_BUCKETS];
+    int nent;
+    short ent[St::NS]; /* walk entries (see above), filed, then longest first */
+};
+
+/* grad_output (gout, C channels) of the block's items into s_go; thread g of group `local`
+ * loads its 4 channels of St::MUL items (zeros past the last item). */
+template <typename T, int G>
+__device__ __forceinline__ void agg_load_grad_output(AggShared<G> &sm, const T *gout, int C,
+                                                     int g, int local, int base, int n_items) {
+    typedef StageAgg<G> St;
+    constexpr int V = 4;
+#pragma unroll
+    for (int m = 0; m < St::MUL; m++) {
+        const int il = local + m * St::GPB, item = base + il, row = sm.item[il].x;
+        float go[V];
+        if (item < n_items) {
+            load_vec(gout + (int64_t)row * C + g * V, go);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; j++) go[j] = 0.f;
+        }
+        sm.go[il * G + g] = make_float4(go[0], go[1], go[2], go[3]);
+    }
+}
+
+/* Phase 1: every inside corner of the staged chunk filed under its row; new rows numbered warp
+ * by warp. */
+template <int G> __device__ __forceinline__ void agg_file_corners(AggShared<G> &sm, int lane) {
+    typedef StageAgg<G> St;
+    for (int j = threadIdx.x; j < St::NS; j += St::NT) { /* same trip count in every lane */
+        const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
+        const int o = reinterpret_cast<const int *>(&sm.offs[il * St::STRIDE + k])[c];
+        unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
+        bool fresh = false, marked = false;
+        if (o >= 0) {
+            const float4 geo = sm.geo[il * St::STRIDE + k];
+            const float wx = (c & 1) ? geo.y : 1.f - geo.y;
+            const float wy = (c & 2) ? geo.z : 1.f - geo.z;
+            const float cf = geo.x * (wx * wy);
+            for (;;) {
+                const int prev = atomicCAS(&sm.key[hp], -1, o);
+                if (prev == -1 || prev == o) {
+                    fresh = prev == -1;
+                    break;
+                }
+                hp = (hp + 1) & (St::HS - 1);
+            }
+            const int sh = 16 * (hp & 1);
+            const int n = (atomicAdd(&sm.cnt2[hp >> 1], 1 << sh) >> sh) & 0xffff;
+            marked = n >= MSDA_AGG_CAP && n % MSDA_AGG_CAP == 0;
+            const int prev = atomicExch(&sm.head[hp], j);
+            sm.meta[j] = make_int2(__float_as_int(cf), (prev + 1) | (marked ? MSDA_AGG_MARK : 0));
+        }
+        /* a walk entry for every new row (its hash position) and every marked slot
+         * (HS + the slot) */
+        const unsigned m = __ballot_sync(0xffffffffu, fresh || marked);
+        int first = 0;
+        if (lane == 0 && m) first = atomicAdd(&sm.nent, __popc(m));
+        first = __shfl_sync(0xffffffffu, first, 0);
+        if (fresh || marked)
+            sm.ent[first + __popc(m & ((1u << lane) - 1u))] =
+                (short)(fresh ? (int)hp : St::HS + j);
+        if (fresh && marked) { /* the row's first filer came late: both entries */
+            const int e2 = atomicAdd(&sm.nent, 1);
+            sm.ent[e2] = (short)(St::HS + j);
+        }
+    }
+}
+
+/* Phase 2: the nent walk entries ordered by the length of their slot lists, longest first (a
+ * counting sort into MSDA_AGG_BUCKETS buckets), so the walkers of a warp, which step together,
+ * get lists of about the same length. Synchronises the block. */
+template <int G>
+__device__ __forceinline__ void agg_sort_entries(AggShared<G> &sm, int nent, int lane) {
+    typedef StageAgg<G> St;
+    constexpr int EPT = St::NS / St::NT; /* entries per thread at most */
+    int bucket[EPT], rank[EPT], entry[EPT];
+#pragma unroll
+    for (int r = 0; r < EPT; r++) {
+        const int e = threadIdx.x + r * St::NT;
+        bucket[r] = -1, rank[r] = 0, entry[r] = 0;
+        /* a warp with no entry in this round skips it whole: rows are a seventh
+         * of the slots, so most warps have none past the first round */
+        if ((threadIdx.x & ~31) + r * St::NT >= nent) continue;
+        int b = -1; /* -1: no entry */
+        entry[r] = e < nent ? sm.ent[e] : 0;
+        if (e < nent) { /* segment length, estimated from the row's count */
+            int len = MSDA_AGG_CAP;
+            if (entry[r] < St::HS) {
+                const int hp = entry[r], c = (sm.cnt2[hp >> 1] >> (16 * (hp & 1))) & 0xffff;
+                len = c <= MSDA_AGG_CAP ? c : (c - 1) % MSDA_AGG_CAP;
+            }
+            len = len < 1 ? 1 : (len > MSDA_AGG_BUCKETS ? MSDA_AGG_BUCKETS : len);
+            b = MSDA_AGG_BUCKETS - len;
+        }
+        /* one shared atomic per bucket and warp: most rows fall into a few
+         * buckets, and lanes adding to one shared word are serialised */
+        const unsigned peers = __match_any_sync(0xffffffffu, b);
+        const int leader = __ffs(peers) - 1;
+        int first = 0;
+        if (b >= 0 && lane == leader) first = atomicAdd(&sm.bucket[b], __popc(peers));
+        first = __shfl_sync(0xffffffffu, first, leader);
+        bucket[r] = b;
+        rank[r] = first + __popc(peers & ((1u << lane) - 1u));
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) { /* exclusive prefix sum of the bucket sizes */
+        const int n = threadIdx.x < MSDA_AGG_BUCKETS ? sm.bucket[threadIdx.x] : 0;
+        int incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += t;
+        }
+        if (threadIdx.x < MSDA_AGG_BUCKETS) sm.bucket[threadIdx.x] = incl - n;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < EPT; r++) {
+        const int e = threadIdx.x + r * St::NT;
+        if (e < nent) sm.ent[sm.bucket[bucket[r]] + rank[r]] = (short)entry[r];
+    }
+    __syncthreads();
+}
+
+/* Phase 3, the walk: one walker of WG lanes per entry; all the loops below run the same trip
+ * count in every lane of a warp (full-warp votes), so the group sums shuffle with the full
+ * mask. Each walker's grad_value sums go out once a segment (sums.flush); with point_grads
+ * each slot's grad_output . row goes to s_dot. FULL: every gradient wanted (compile-time, so the
+ * walk tests no pointer). */
+template <typename T, int G, bool DET, bool FULL>
+__device__ __forceinline__ void agg_walk(const msda_problem &pr, AggShared<G> &sm, int nent,
+                                         bool point_grads, long long *det_acc, float scale) {
+    typedef StageAgg<G> St;
+    constexpr int WG = G / 2, WPB = St::NT / WG;
+    const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
+    /* half sums straight into grad_value where the code has half atomics */
+    constexpr bool NATIVE = NativeHalf<T, false>::value;
+    typename std::conditional<DET, DetRowSums<T, G>, RowSums<T, G, NATIVE>>::type sums(
+        walker, part, det_acc, scale);
+    const bool want_gv = DET ? det_acc != nullptr : FULL || pr.grad_value;
+    if (!DET && want_gv) grid_dep_wait(); /* zero_kernel done (at once after the first) */
+    for (int e0 = 0; e0 < nent; e0 += WPB) {
+        int key, j;
+        int2 m;
+        round_entry<St, WPB>(e0, walker, nent, sm.ent, sm.key, sm.head, sm.meta, sm.offs, key, j,
+                             m);
+        const bool active = j >= 0;
+        sums.load(pr, key, point_grads && j >= 0);
+        while (__any_sync(0xffffffffu, j >= 0)) {
+            float d = 0.f;
+            int next = -1;
+            if (j >= 0) {
+                d = sums.step(sm.go, j / (St::K * 4), __int_as_float(m.x), want_gv, point_grads);
+                next = next_slot_of(sm.meta, m);
+            }
+            if (point_grads) {
+                d = group_sum<WG>(d);
+                if (j >= 0 && part == 0) sm.dot[j] = d;
+            }
+            j = next;
+        }
+        if (want_gv && active) sums.flush(pr, key);
+    }
+}
+
+/* The table emptied (the next chunk's barrier orders this before its filing). */
+template <int G> __device__ __forceinline__ void agg_clear_table(AggShared<G> &sm, int nent) {
+    typedef StageAgg<G> St;
+    for (int e = threadIdx.x; e < nent; e += St::NT) {
+        const int hp = sm.ent[e];
+        if (hp < St::HS) sm.key[hp] = -1, sm.head[hp] = -1, sm.cnt2[hp >> 1] = 0;
+    }
+    if (threadIdx.x < MSDA_AGG_BUCKETS) sm.bucket[threadIdx.x] = 0;
+}
+
+/* Phase 4: the point gradients of the chunk's points [p0, p0 + kn) from the four dots each
+ * (one thread a point). */
+template <typename T, typename P, bool OPT, int G>
+__device__ __forceinline__ void agg_point_gradients(const msda_problem &pr, AggShared<G> &sm,
+                                                    int base, int n_items, int LP, int p0,
+                                                    int kn, const PointTensor<T, P> &grad_loc,
+                                                    const PointTensor<T, P> &grad_attn,
+                                                    bool nearest) {
+    typedef StageAgg<G> St;
+    for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
+        const int il = j / St::K, k = j % St::K;
+        if (base + il >= n_items || k >= kn) continue;
+        const int4 o4 = sm.offs[il * St::STRIDE + k];
+        const float4 geo = sm.geo[il * St::STRIDE + k];
+        const float a = geo.x, fx = geo.y, fy = geo.z;
+        /* one 16-byte read of the point's four dots (four 4-byte reads at a 16-byte stride
+         * took four wavefronts each); slots of corners outside hold stale values, masked
+         * here */
+        const float4 d4 = reinterpret_cast<const float4 *>(sm.dot)[j];
+        const float d0 = o4.x >= 0 ? d4.x : 0.f;
+        const float d1 = o4.y >= 0 ? d4.y : 0.f;
+        const float d2 = o4.z >= 0 ? d4.z : 0.f;
+        const float d3 = o4.w >= 0 ? d4.w : 0.f;
+        const float s_a = (1.f - fx) * (1.f - fy) * d0 + fx * (1.f - fy) * d1 +
+                          (1.f - fx) * fy * d2 + fx * fy * d3;
+        const bool hit = o4.x >= 0 || o4.y >= 0 || o4.z >= 0 || o4.w >= 0;
+        const int pidx = p0 + k;
+        const int64_t i = (int64_t)sm.item[il].x * LP + pidx;
+        if (grad_attn) grad_attn.set(i, s_a);
+        if (grad_loc && (!hit || nearest)) {
+            grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
+        } else if (grad_loc) {
+            const float s_x = (1.f - fy) * (d1 - d0) + fy * (d3 - d2);
+            const float s_y = (1.f - fx) * (d2 - d0) + fx * (d3 - d1);
+            const int l = level_of<OPT>(pr, pidx);
+            const float W_l = (float)sm.lvl[l].y, H_l = (float)sm.lvl[l].x;
+            grad_loc.set(2 * i, a * s_x * W_l);
+            grad_loc.set(2 * i + 1, a * s_y * H_l);
+        }
+    }
+}
 
 /* What an instance of msda_backward_agg is compiled for (its Form): OPT, the option code
  * (per-level points, nearest); DET, grad_value in fixed point; FULL, every gradient wanted (the
@@ -228,43 +366,11 @@ template <bool DET, typename P> using AggregatedWithOptions = AggForm<true, DET,
 template <typename P> using AggregatedAllGradients = AggForm<false, false, true, P>;
 
 template <typename T, int G, typename Form>
-__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(msda_problem pr) {
     constexpr bool OPT = Form::OPT, DET = Form::DET, FULL = Form::FULL;
     typedef typename Form::P P;
-    constexpr int V = 4;
     typedef StageAgg<G> St;
-    /* One shared object, so every array is one base address plus a constant: with separate
-     * __shared__ arrays the compiler (48 registers) rebuilt each array's shared-window address
-     * (S2UR SR_CgaCtaId, ULEA) inside the walk loop, 13 of its 59 instructions a step. */
-    struct Shared {
-        int4 lvl[MSDA_FAST_MAX_LEVELS];
-        int4 offs[St::IPB * St::STRIDE];
-        float4 geo[St::IPB * St::STRIDE]; /* {A, fx, fy, 0} */
-        float4 go[St::IPB * G];           /* grad_output of the block's items */
-        int2 meta[St::NS];                /* {A * w_k, link}, per slot (walk_entry) */
-        alignas(16) float dot[St::NS];     /* g . corner row, per slot (read as float4s) */
-        int2 item[St::IPB];               /* {row, head offset} per item */
-        int key[St::HS];
-        int head[St::HS];
-        int cnt2[St::HS / 2]; /* slots filed per row, two 16-bit counts a word */
-        int bucket[MSDA_AGG_BUCKETS];
-        int nent;
-        short ent[St::NS];  /* walk entries (see above), filed, then longest first */
-    };
-    __shared__ Shared sm;
-    int4(&s_lvl)[MSDA_FAST_MAX_LEVELS] = sm.lvl;
-    int4(&s_offs)[St::IPB * St::STRIDE] = sm.offs;
-    float4(&s_geo)[St::IPB * St::STRIDE] = sm.geo;
-    float4(&s_go)[St::IPB * G] = sm.go;
-    int2(&s_meta)[St::NS] = sm.meta;
-    float(&s_dot)[St::NS] = sm.dot;
-    int2(&s_item)[St::IPB] = sm.item;
-    int(&s_key)[St::HS] = sm.key;
-    int(&s_head)[St::HS] = sm.head;
-    int(&s_cnt2)[St::HS / 2] = sm.cnt2;
-    int(&s_bucket)[MSDA_AGG_BUCKETS] = sm.bucket;
-    int &s_nent = sm.nent;
-    short(&s_ent)[St::NS] = sm.ent;
+    __shared__ AggShared<G> sm;
     const int g = threadIdx.x % G, local = threadIdx.x / G, lane = threadIdx.x & 31;
     const T *gout = (const T *)pr.grad_output;
     const PointTensor<T, P> grad_loc(pr.grad_sampling_locations, pr);
@@ -279,11 +385,11 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
         det_acc = (long long *)((char *)pr.workspace + MSDA_DET_HEADER_BYTES);
         scale = (float)det_scale(pr, (const DetHeader *)pr.workspace);
     }
-    load_levels(pr, s_lvl);
-    for (int j = threadIdx.x; j < St::HS; j += 256) s_key[j] = -1, s_head[j] = -1;
-    for (int j = threadIdx.x; j < St::HS / 2; j += 256) s_cnt2[j] = 0;
-    if (threadIdx.x == 0) s_nent = 0;
-    if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
+    load_levels(pr, sm.lvl);
+    for (int j = threadIdx.x; j < St::HS; j += St::NT) sm.key[j] = -1, sm.head[j] = -1;
+    for (int j = threadIdx.x; j < St::HS / 2; j += St::NT) sm.cnt2[j] = 0;
+    if (threadIdx.x == 0) sm.nent = 0;
+    if (threadIdx.x < MSDA_AGG_BUCKETS) sm.bucket[threadIdx.x] = 0;
     __syncthreads();
     /* blocks take the tiles last first: an encoder's items end with the queries of its
      * coarse levels, whose points spread over the finer levels and aggregate least (the
@@ -291,197 +397,26 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_agg(ms
     const int n_tiles = (int)(((unsigned)n_items + St::IPB - 1) / St::IPB); /* no overflow */
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
         const int base = (n_tiles - 1 - t) * St::IPB;
-        fill_items<T, false, St::IPB>(pr, s_lvl, base, n_items, St::IPB, s_item);
+        fill_items<T, false, St::IPB>(pr, sm.lvl, base, n_items, St::IPB, sm.item);
         __syncthreads();
-#pragma unroll
-        for (int m = 0; m < St::MUL; m++) { /* each group loads St::MUL items */
-            const int il = local + m * St::GPB, item = base + il, row = s_item[il].x;
-            float go[V];
-            if (item < n_items) {
-                load_vec(gout + (int64_t)row * C + g * V, go);
-            } else {
-#pragma unroll
-                for (int j = 0; j < V; j++) go[j] = 0.f;
-            }
-            s_go[il * G + g] = make_float4(go[0], go[1], go[2], go[3]);
-        }
+        agg_load_grad_output<T, G>(sm, gout, C, g, local, base, n_items);
         const int p_end = (int)((int64_t)LP * (blockIdx.y + 1) / gridDim.y);
         for (int p0 = (int)((int64_t)LP * blockIdx.y / gridDim.y); p0 < p_end; p0 += St::K) {
             const int kn = p_end - p0 < St::K ? p_end - p0 : St::K;
-            stage_chunk<T, false, OPT, St, P>(pr, s_lvl, s_item, base, n_items, p0, kn, s_offs,
-                                              s_geo);
+            stage_chunk<T, false, OPT, St, P>(pr, sm.lvl, sm.item, base, n_items, p0, kn, sm.offs,
+                                              sm.geo);
             __syncthreads();
-            /* file every inside corner under its row; new rows numbered warp by warp */
-            for (int j = threadIdx.x; j < St::NS; j += 256) { /* same trip count in every lane */
-                const int il = j / (St::K * 4), k = (j >> 2) % St::K, c = j & 3;
-                const int o = reinterpret_cast<const int *>(&s_offs[il * St::STRIDE + k])[c];
-                unsigned hp = ((unsigned)o * 2654435761u) >> (32 - St::HBITS);
-                bool fresh = false, marked = false;
-                if (o >= 0) {
-                    const float4 geo = s_geo[il * St::STRIDE + k];
-                    const float wx = (c & 1) ? geo.y : 1.f - geo.y;
-                    const float wy = (c & 2) ? geo.z : 1.f - geo.z;
-                    const float cf = geo.x * (wx * wy);
-                    for (;;) {
-                        const int prev = atomicCAS(&s_key[hp], -1, o);
-                        if (prev == -1 || prev == o) {
-                            fresh = prev == -1;
-                            break;
-                        }
-                        hp = (hp + 1) & (St::HS - 1);
-                    }
-                    const int sh = 16 * (hp & 1);
-                    const int n = (atomicAdd(&s_cnt2[hp >> 1], 1 << sh) >> sh) & 0xffff;
-                    marked = n >= MSDA_AGG_CAP && n % MSDA_AGG_CAP == 0;
-                    const int prev = atomicExch(&s_head[hp], j);
-                    s_meta[j] = make_int2(__float_as_int(cf),
-                                          (prev + 1) | (marked ? MSDA_AGG_MARK : 0));
-                }
-                /* a walk entry for every new row (its hash position) and every marked slot
-                 * (HS + the slot) */
-                const unsigned m = __ballot_sync(0xffffffffu, fresh || marked);
-                int first = 0;
-                if (lane == 0 && m) first = atomicAdd(&s_nent, __popc(m));
-                first = __shfl_sync(0xffffffffu, first, 0);
-                if (fresh || marked)
-                    s_ent[first + __popc(m & ((1u << lane) - 1u))] =
-                        (short)(fresh ? (int)hp : St::HS + j);
-                if (fresh && marked) { /* the row's first filer came late: both entries */
-                    const int e2 = atomicAdd(&s_nent, 1);
-                    s_ent[e2] = (short)(St::HS + j);
-                }
-            }
+            agg_file_corners<G>(sm, lane);
             __syncthreads();
-            const int nent = s_nent;
-            /* order the rows by the length of their slot lists, longest first (a counting sort
-             * into MSDA_AGG_BUCKETS buckets), so the walkers of a warp, which step together,
-             * get lists of about the same length */
-            constexpr int EPT = St::NS / 256; /* entries per thread at most */
-            int bucket[EPT], rank[EPT], entry[EPT];
-#pragma unroll
-            for (int r = 0; r < EPT; r++) {
-                const int e = threadIdx.x + r * 256;
-                bucket[r] = -1, rank[r] = 0, entry[r] = 0;
-                /* a warp with no entry in this round skips it whole: rows are a seventh
-                 * of the slots, so most warps have none past the first round */
-                if ((threadIdx.x & ~31) + r * 256 >= nent) continue;
-                int b = -1; /* -1: no entry */
-                entry[r] = e < nent ? s_ent[e] : 0;
-                if (e < nent) { /* segment length, estimated from the row's count */
-                    int len = MSDA_AGG_CAP;
-                    if (entry[r] < St::HS) {
-                        const int hp = entry[r], c = (s_cnt2[hp >> 1] >> (16 * (hp & 1))) & 0xffff;
-                        len = c <= MSDA_AGG_CAP ? c : (c - 1) % MSDA_AGG_CAP;
-                    }
-                    len = len < 1 ? 1 : (len > MSDA_AGG_BUCKETS ? MSDA_AGG_BUCKETS : len);
-                    b = MSDA_AGG_BUCKETS - len;
-                }
-                /* one shared atomic per bucket and warp: most rows fall into a few
-                 * buckets, and lanes adding to one shared word are serialised */
-                const unsigned peers = __match_any_sync(0xffffffffu, b);
-                const int leader = __ffs(peers) - 1;
-                int first = 0;
-                if (b >= 0 && lane == leader) first = atomicAdd(&s_bucket[b], __popc(peers));
-                first = __shfl_sync(0xffffffffu, first, leader);
-                bucket[r] = b;
-                rank[r] = first + __popc(peers & ((1u << lane) - 1u));
-            }
+            const int nent = sm.nent;
+            agg_sort_entries<G>(sm, nent, lane);
+            agg_walk<T, G, DET, FULL>(pr, sm, nent, point_grads, det_acc, scale);
             __syncthreads();
-            if (threadIdx.x < 32) { /* exclusive prefix sum of the bucket sizes */
-                const int n = threadIdx.x < MSDA_AGG_BUCKETS ? s_bucket[threadIdx.x] : 0;
-                int incl = n;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int t = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += t;
-                }
-                if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = incl - n;
-            }
-            __syncthreads();
-#pragma unroll
-            for (int r = 0; r < EPT; r++) {
-                const int e = threadIdx.x + r * 256;
-                if (e < nent) s_ent[s_bucket[bucket[r]] + rank[r]] = (short)entry[r];
-            }
-            __syncthreads();
-            { /* walk: one walker of WG lanes per entry; all the loops below run the same trip
-               * count in every lane of a warp (full-warp votes), so the group sums shuffle
-               * with the full mask */
-                constexpr int WG = G / 2, WPB = 256 / WG;
-                const int walker = threadIdx.x / WG, part = threadIdx.x % WG;
-                /* half sums straight into grad_value where the code has half atomics */
-                constexpr bool NATIVE = NativeHalf<T, false>::value;
-                typename std::conditional<DET, DetRowSums<T, G>, RowSums<T, G, NATIVE>>::type
-                    sums(walker, part, det_acc, scale);
-                /* FULL: compile-time true (so the walk tests no pointer) */
-                const bool want_gv = DET ? det_acc != nullptr : FULL || pr.grad_value;
-                if (!DET && want_gv)
-                    grid_dep_wait(); /* zero_kernel done (at once after the first) */
-                for (int e0 = 0; e0 < nent; e0 += WPB) {
-                    int key, j;
-                    int2 m;
-                    round_entry<St, WPB>(e0, walker, nent, s_ent, s_key, s_head, s_meta, s_offs,
-                                         key, j, m);
-                    const bool active = j >= 0;
-                    sums.load(pr, key, point_grads && j >= 0);
-                    while (__any_sync(0xffffffffu, j >= 0)) {
-                        float d = 0.f;
-                        int next = -1;
-                        if (j >= 0) {
-                            d = sums.step(s_go, j / (St::K * 4), __int_as_float(m.x), want_gv,
-                                          point_grads);
-                            next = next_slot_of(s_meta, m);
-                        }
-                        if (point_grads) {
-                            d = group_sum<WG>(d);
-                            if (j >= 0 && part == 0) s_dot[j] = d;
-                        }
-                        j = next;
-                    }
-                    if (want_gv && active) sums.flush(pr, key);
-                }
-            }
-            __syncthreads();
-            /* empty the table (the next chunk's barrier orders this before its filing) */
-            for (int e = threadIdx.x; e < nent; e += 256) {
-                const int hp = s_ent[e];
-                if (hp < St::HS) s_key[hp] = -1, s_head[hp] = -1, s_cnt2[hp >> 1] = 0;
-            }
-            if (threadIdx.x < MSDA_AGG_BUCKETS) s_bucket[threadIdx.x] = 0;
-            if (point_grads) {
-                for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
-                    const int il = j / St::K, k = j % St::K;
-                    if (base + il >= n_items || k >= kn) continue;
-                    const int4 o4 = s_offs[il * St::STRIDE + k];
-                    const float4 geo = s_geo[il * St::STRIDE + k];
-                    const float a = geo.x, fx = geo.y, fy = geo.z;
-                    /* one 16-byte read of the point's four dots (four 4-byte reads at a
-                     * 16-byte stride took four wavefronts each); slots of corners outside hold
-                     * stale values, masked here */
-                    const float4 d4 = reinterpret_cast<const float4 *>(s_dot)[j];
-                    const float d0 = o4.x >= 0 ? d4.x : 0.f;
-                    const float d1 = o4.y >= 0 ? d4.y : 0.f;
-                    const float d2 = o4.z >= 0 ? d4.z : 0.f;
-                    const float d3 = o4.w >= 0 ? d4.w : 0.f;
-                    const float s_a = (1.f - fx) * (1.f - fy) * d0 + fx * (1.f - fy) * d1 +
-                                      (1.f - fx) * fy * d2 + fx * fy * d3;
-                    const bool hit = o4.x >= 0 || o4.y >= 0 || o4.z >= 0 || o4.w >= 0;
-                    const int pidx = p0 + k;
-                    const int64_t i = (int64_t)s_item[il].x * LP + pidx;
-                    if (grad_attn) grad_attn.set(i, s_a);
-                    if (grad_loc && (!hit || nearest)) {
-                        grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
-                    } else if (grad_loc) {
-                        const float s_x = (1.f - fy) * (d1 - d0) + fy * (d3 - d2);
-                        const float s_y = (1.f - fx) * (d2 - d0) + fx * (d3 - d1);
-                        const int l = level_of<OPT>(pr, pidx);
-                        const float W_l = (float)s_lvl[l].y, H_l = (float)s_lvl[l].x;
-                        grad_loc.set(2 * i, a * s_x * W_l);
-                        grad_loc.set(2 * i + 1, a * s_y * H_l);
-                    }
-                }
-            }
-            if (threadIdx.x == 0) s_nent = 0;
+            agg_clear_table<G>(sm, nent);
+            if (point_grads)
+                agg_point_gradients<T, P, OPT, G>(pr, sm, base, n_items, LP, p0, kn,
+                                                  grad_loc, grad_attn, nearest);
+            if (threadIdx.x == 0) sm.nent = 0;
             __syncthreads();
         }
     }

@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(MSDA_ZERO_THREADS) zero_kernel(float4 *p, int6
 /* MSDA_DETERMINISTIC, step 1: header maxima of |grad_output| and |A| (deterministic.cuh), as
  * doubles compared by their bits (monotone for values >= 0; a NaN compares above +Inf). */
 template <typename T>
-__global__ void __launch_bounds__(256) det_scan_kernel(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS) det_scan_kernel(msda_problem pr) {
     const T *gout = (const T *)pr.grad_output;
     const PointTensor<T> attn(pr.attention_weights, pr);
     DetHeader *hd = (DetHeader *)pr.workspace;
@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(256) det_scan_kernel(msda_problem pr) {
 /* MSDA_DETERMINISTIC, last step: grad_value = accumulator / scale (NaN if the scale is 0), in
  * T (half types: through f32, the accumulation type). */
 template <typename T>
-__global__ void __launch_bounds__(256) det_convert_kernel(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS) det_convert_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
     const long long *det_acc = (const long long *)((const char *)pr.workspace + MSDA_DET_HEADER_BYTES);
     T *grad_value = (T *)pr.grad_value;
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(256) det_convert_kernel(msda_problem pr) {
 /* Half types without NativeHalf, last step: grad_value (T) = the f32 buffer in the workspace,
  * 8 elements a step (two 16-byte loads, one 16-byte store) where both are 16-byte aligned. */
 template <typename T>
-__global__ void __launch_bounds__(256) half_convert_kernel(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS) half_convert_kernel(msda_problem pr) {
     const float *acc = (const float *)pr.workspace;
     T *grad_value = (T *)pr.grad_value;
     const int64_t n = pr.B * pr.S * pr.H * pr.C;

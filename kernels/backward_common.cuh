@@ -54,6 +54,7 @@ template <typename T, int N> __device__ __forceinline__ void red_half(T *p, cons
     } while (0)
     if constexpr (std::is_same<T, __nv_bfloat16>::value) MSDA_RED_PAIRS("bf16x2");
     else if constexpr (std::is_same<T, __half>::value) MSDA_RED_PAIRS("f16x2");
+    else static_assert(sizeof(T) == 0, "a half type's pair reduction (and pack2) belongs here");
 #undef MSDA_RED_PAIRS
 #else
     (void)p, (void)v; /* not compiled in: NativeHalf is false before sm_90 */

@@ -1,5 +1,5 @@
 /* kernels/backward_direct.cuh: the direct per-point backward (MSDA_ROUTE_DIRECT; gradients:
- * c/msda.h), the backward form of the direct forward (kernels/forward.cu): plain decoders of
+ * c/msda.h), the backward form of the direct forward (kernels/forward.cuh): plain decoders of
  * few points an item or few items (c/routes.c).
  * Thread map: R = G * SPLIT lanes an item, G = C / 4 lanes of 4 channels for each of SPLIT
  * subsets of its points (lane s takes points s, s + SPLIT, ..., at most MAXP of them). Every
@@ -21,9 +21,9 @@ template <int SPLIT_, int MAXP_> struct DirectBackwardForm {
 };
 
 template <typename T, int G, typename Form>
-__global__ void __launch_bounds__(256) msda_backward_direct(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS) msda_backward_direct(msda_problem pr) {
     constexpr int V = Form::V, SPLIT = Form::SPLIT, K = Form::MAXP, R = G * SPLIT,
-                  IPB = 256 / R;
+                  IPB = MSDA_DIRECT_BLOCK_ITEMS(R);
     static_assert(R <= 32 && (R & (R - 1)) == 0, "an item's lanes: a power of two in one warp");
     __shared__ int4 s_lvl[MSDA_FAST_MAX_LEVELS];
     const int lane = threadIdx.x % R, g = lane % G, s = lane / G;

@@ -13,7 +13,7 @@
  * Half types: grad_value is T with NativeHalf (one 2-byte atomic a channel and corner), else the
  * f32 buffer the host put in its place (code older than sm_90, c/routes.c). */
 template <typename T, bool DET>
-__global__ void __launch_bounds__(256) msda_backward_kernel(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS) msda_backward_kernel(msda_problem pr) {
     typedef typename AccOf<T>::type Acc;
     constexpr bool NATIVE = NativeHalf<T, DET>::value;
     const T *value = (const T *)pr.value;

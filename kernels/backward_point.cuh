@@ -11,9 +11,9 @@
  * atomics and sums (plain f32 and bf16 decoders).
  * Numerics: f32 sums; grad_value's summation order, and its last bits, vary from run to run
  * unless MSDA_DETERMINISTIC (then a group's integer atomics cover consecutive words).
- * H100 (BENCHMARKS.md): ddetr_dec f32 / bf16 backward 0.042 / 0.029 ms, dino_dec900 0.078 /
- * 0.048, rtdetr_dec_b8 0.099 / 0.062; bound by L2 traffic (atomics and gathers), kernels/TUNING.md
- * lists what was measured against it. */
+ * Bound by L2 traffic (atomics and gathers): kernels/TUNING.md, "Backward, per-point and
+ * generic", lists what was measured against it (2 channels a thread in f32: v45; pipelining:
+ * v51); today's times: BENCHMARKS.md. */
 #pragma once
 
 #include "backward_common.cuh"
@@ -113,6 +113,35 @@ template <> struct Carried<__nv_bfloat16, 4> {
     }
 };
 
+/* The location and weight gradients of the chunk's staged points [p0, p0 + kn) from their sums
+ * (s_sums, the point loop's), one thread a point, coalesced. */
+template <typename T, bool OPT, typename St>
+__device__ __forceinline__ void write_point_gradients(const msda_problem &pr, const float4 *s_sums,
+                                                      const float4 *s_geo, const int2 *s_item,
+                                                      int base, int n_items, int LP, int p0,
+                                                      int kn, const PointTensor<T> &grad_loc,
+                                                      const PointTensor<T> &grad_attn,
+                                                      bool nearest) {
+    for (int j = threadIdx.x; j < St::IPB * St::K; j += St::NT) {
+        const int il = j / St::K, k = j % St::K;
+        if (base + il >= n_items || k >= kn) continue;
+        const int pidx = p0 + k;
+        const int64_t i = (int64_t)s_item[il].x * LP + pidx;
+        const float4 sums = s_sums[il * St::STRIDE + k];
+        const float a = s_geo[il * St::STRIDE + k].x;
+        if (grad_attn) grad_attn.set(i, sums.x);
+        if (grad_loc && (sums.w == 0.f || nearest)) { /* nearest: constant */
+            grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
+        } else if (grad_loc) {
+            const int l = level_of<OPT>(pr, pidx);
+            const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
+            const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
+            grad_loc.set(2 * i, a * sums.y * W_l);
+            grad_loc.set(2 * i + 1, a * sums.z * H_l);
+        }
+    }
+}
+
 /* What an instance of msda_backward_fast is compiled for (its Form): DET, grad_value in fixed
  * point (MSDA_DETERMINISTIC); OPT, the option code (per-level points, nearest); SPLIT (plain
  * problems with the points sliced, gridDim.y > 1), a chunk's loads and point gradients first,
@@ -132,7 +161,7 @@ using PerPointSliced = PointForm<false, false, true, 4, false>;
 template <int CHANNELS> using PerPointPipelined = PointForm<false, false, false, CHANNELS, true>;
 
 template <typename T, int G, typename Form>
-__global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
+__global__ void __launch_bounds__(MSDA_BLOCK_THREADS, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(msda_problem pr) {
     constexpr bool DET = Form::DET, OPT = Form::OPT, SPLIT = Form::SPLIT, PIPE = Form::PIPE;
     constexpr int V = Form::V;
     static_assert(!(SPLIT && (DET || OPT)), "SPLIT is for plain problems");
@@ -249,24 +278,8 @@ __global__ void __launch_bounds__(256, MSDA_BWD_MIN_BLOCKS) msda_backward_fast(m
             }
             if (point_grads) {
                 __syncthreads();
-                for (int j = threadIdx.x; j < St::IPB * St::K; j += 256) {
-                    const int il = j / St::K, k = j % St::K;
-                    if (base + il >= n_items || k >= kn) continue;
-                    const int pidx = p0 + k;
-                    const int64_t i = (int64_t)s_item[il].x * LP + pidx;
-                    const float4 sums = s_sums[il * St::STRIDE + k];
-                    const float a = s_geo[il * St::STRIDE + k].x;
-                    if (grad_attn) grad_attn.set(i, sums.x);
-                    if (grad_loc && (sums.w == 0.f || nearest)) { /* nearest: constant */
-                        grad_loc.set(2 * i, 0.f), grad_loc.set(2 * i + 1, 0.f);
-                    } else if (grad_loc) {
-                        const int l = level_of<OPT>(pr, pidx);
-                        const float W_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l + 1);
-                        const float H_l = (float)load_index(pr.spatial_shapes, pr.index_dtype, 2 * l);
-                        grad_loc.set(2 * i, a * sums.y * W_l);
-                        grad_loc.set(2 * i + 1, a * sums.z * H_l);
-                    }
-                }
+                write_point_gradients<T, OPT, St>(pr, s_sums, s_geo, s_item, base, n_items, LP, p0,
+                                                  kn, grad_loc, grad_attn, nearest);
             }
             __syncthreads();
         }

@@ -31,11 +31,29 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(flo
 template <typename T> __device__ __forceinline__ T from_acc(double v);
 template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
 
-template <typename T> struct AccOf { typedef float type; };
-template <> struct AccOf<double> { typedef double type; };
-template <typename T> struct IsHalf { static constexpr bool value = false; };
-template <> struct IsHalf<__half> { static constexpr bool value = true; };
-template <> struct IsHalf<__nv_bfloat16> { static constexpr bool value = true; };
+/* Each CUDA storage type's row of the dtype table (c/dtypes.h): AccOf<T>::type, its accumulation
+ * type; IsHalf<T>::value, its half column; HasFast<T>::value, whether the fast kernels serve it
+ * (f32 accumulation; the others take the generic kernels). */
+template <typename T> struct AccOf;
+template <typename T> struct IsHalf;
+#define MSDA_CUDA_TRAITS(code, suffix, cpu_type, acc_type, cuda_type, half)                      \
+    template <> struct AccOf<cuda_type> { typedef acc_type type; };                              \
+    template <> struct IsHalf<cuda_type> { static constexpr bool value = half; };
+MSDA_DTYPES(MSDA_CUDA_TRAITS)
+#undef MSDA_CUDA_TRAITS
+template <typename T> struct HasFast {
+    static constexpr bool value = std::is_same<typename AccOf<T>::type, float>::value;
+};
+/* The dispatch tables below list the rows in order: row i must be dtype code i. */
+constexpr int kDtypeCodes[] = {
+#define MSDA_CODE_OF(code, ...) code,
+    MSDA_DTYPES(MSDA_CODE_OF)
+#undef MSDA_CODE_OF
+};
+constexpr bool dtype_rows_in_code_order(int i = 0) {
+    return i == MSDA_DTYPE_COUNT || (kDtypeCodes[i] == i && dtype_rows_in_code_order(i + 1));
+}
+static_assert(dtype_rows_in_code_order(), "c/dtypes.h: row i of MSDA_DTYPES must be code i");
 
 /* A point tensor (sampling_locations, attention_weights or one of their gradients) of a
  * problem whose value is T, read as Acc and written from Acc. Its elements: P (T, or float
@@ -73,12 +91,6 @@ template <typename T, typename P = void> struct PointTensor {
 __device__ __forceinline__ float fma_acc(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ double fma_acc(double a, double b, double c) { return fma(a, b, c); }
 
-
-template <typename Acc> __device__ __forceinline__ Acc warp_max(Acc v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 template <typename Acc> __device__ __forceinline__ Acc warp_sum(Acc v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -94,10 +106,6 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 
 // ---------------------------------------------------------------------------------------------
 // 4 and 8 channels at once (16-byte aligned vectors)
-
-/* f64 always takes the generic kernels (no fast-path instantiation for it). */
-template <typename T> struct HasFast { static constexpr bool value = true; };
-template <> struct HasFast<double> { static constexpr bool value = false; };
 
 __device__ __forceinline__ void load_vec(const float *p, float (&v)[2]) {
     const float2 u = __ldg(reinterpret_cast<const float2 *>(p));
@@ -228,13 +236,13 @@ typedef cudaError_t (*msda_launcher)(const msda_problem *pr, cudaStream_t stream
 
 /* The frame of a CUDA entry point: `device` made current, an error an earlier call of this
  * thread left behind cleared, the launcher of pr->dtype run on pr->stream (by_dtype indexed by
- * msda_dtype: F32, F64, F16, BF16), and the launch checked. */
+ * msda_dtype: {MSDA_DTYPES(entry)}), and the launch checked. */
 static inline int run_launcher(const char *fn, const msda_problem *pr,
-                               const msda_launcher (&by_dtype)[4]) {
+                               const msda_launcher (&by_dtype)[MSDA_DTYPE_COUNT]) {
     DeviceGuard guard;
     MSDA_CUDA_CHECK(fn, guard.select(pr->device));
     cudaGetLastError();
-    if (pr->dtype < 0 || pr->dtype > 3)
+    if (pr->dtype < 0 || pr->dtype >= MSDA_DTYPE_COUNT)
         return msda_set_error(MSDA_ERR_INTERNAL, "%s: dtype %d", fn, pr->dtype);
     MSDA_CUDA_CHECK(fn, by_dtype[pr->dtype](pr, (cudaStream_t)pr->stream));
     MSDA_CUDA_CHECK(fn, cudaGetLastError());

@@ -26,9 +26,9 @@
 
 
 /* Points per item staged at once: 16, fewer for small groups so shared memory stays small. */
-template <int G, int NT_ = 256> struct Stage {
-    static constexpr int NT = NT_;                                       /* threads a block */
-    static constexpr int IPB = NT / G;                                   /* items per block */
+template <int G, int NT_ = MSDA_BLOCK_THREADS> struct Stage {
+    static constexpr int NT = NT_;                              /* threads a block */
+    static constexpr int IPB = MSDA_STAGED_BLOCK_ITEMS(NT, G); /* items per block */
     static constexpr int K = (512 / IPB) > 16 ? 16 : ((512 / IPB) < 2 ? 2 : 512 / IPB);
     static constexpr int STRIDE = K + 1; /* padded so groups in a warp hit different banks */
 };

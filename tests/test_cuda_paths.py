@@ -423,7 +423,7 @@ def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
 
 
 # The half-precision forward of a problem of >= 65536 (b, q, h) items takes 8 channels a thread
-# (kernels/forward.cu, MSDA_FWD_WIDE_MIN_ITEMS): group sizes C / 8 = 1, 4 and 16.
+# (c/routes.c, MSDA_FWD_WIDE_MIN_ITEMS): group sizes C / 8 = 1, 4 and 16.
 WIDE = [(torch.bfloat16, 8), (torch.bfloat16, 32), (torch.float16, 32), (torch.float16, 128)]
 
 

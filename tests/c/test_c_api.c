@@ -2,7 +2,7 @@
  * - capability queries and status strings;
  * - argument checks return MSDA_ERR_INVALID_ARGUMENT with a text naming the argument (a NULL
  *   msda_args included), and the text is per thread;
- * - the half/bfloat16 conversions (c/half.h): every binary16 value round-trips, and float ->
+ * - the half/bfloat16 conversions (c/dtypes.h): every binary16 value round-trips, and float ->
  *   half/bf16 rounds to the nearest representable value, ties to even;
  * - a small CPU forward and backward against a direct double computation written here;
  * - MSDA_POINTS_F32: refused without a half dtype; on the CPU, half values with float32
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
+#include "dtypes.h"
 #include "msda.h"
 
 static int passed, failed;

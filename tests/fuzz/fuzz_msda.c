@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "half.h"
+#include "dtypes.h"
 #include "msda.h"
 
 #define MAX_THREADS 1024 /* MSDA_MAX_THREADS in c/msda.c */

@@ -1,10 +1,11 @@
-/* c/cpu_kernels.c: MSDA forward and backward on the CPU (math: c/msda.h), threaded with OpenMP;
- * the per-dtype kernels are cpu_kernels.inc, included once per element type. A "row" is the C
- * channels of value[b, s, h, :].
- * Geometry (cpu_geometry.inc): a (b, q, h)'s points are located 16 at a time in one vectorised
- *   loop, in double, where x, the cell, the fraction and the corner offsets are exact (fx
- *   rounded once); each point's level from a per-call table. A corner outside its level or
- *   [0, S) reads a zero row with weight 0.
+/* c/cpu_plain.c: the tuned plain op, MSDA forward and backward on the CPU (math: c/msda.h)
+ * for uniform points and bilinear sampling (the options: c/cpu_options.c), threaded with
+ * OpenMP; the per-dtype kernels are cpu_plain.inc, included once per element type. A "row" is
+ * the C channels of value[b, s, h, :].
+ * Geometry (cpu_plain_geometry.inc): a (b, q, h)'s points are located 16 at a time in one
+ *   vectorised loop, in double, where x, the cell, the fraction and the corner offsets are
+ *   exact (fx rounded once); each point's level from a per-call table. A corner outside its
+ *   level or [0, S) reads a zero row with weight 0.
  * Query order (query_order): a decoder's queries (Q != S, Q <= 4096) are walked in Z-order of
  *   where they sample (a stable radix sort), so neighbouring queries share lines and pages; the
  *   out-of-order rows are prefetched two queries ahead. The order depends on the inputs only.
@@ -18,7 +19,7 @@
  *   tree; grad_value rows updated in place; rows prefetched ahead.
  * Numerics: f32 accumulation for f32/f16/bf16 (half values converted as loaded), f64 for f64.
  *   With MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write their
- *   gradients as float32 (POINTS_F32 and friends, c/half.h; the test: cpu_geometry.inc).
+ *   gradients as float32 (POINTS_F32 and friends, c/dtypes.h; the test: cpu_plain_geometry.inc).
  *   Results do not depend on the thread count or the split: each grad_value row gets its terms
  *   in query order, the point gradients come from one compiled loop; only FMA contraction
  *   (x86-64-v3/v4 clones against the baseline) changes the last bits between machines.
@@ -168,31 +169,8 @@ static void split_range(int64_t n, int part, int parts, int64_t *begin, int64_t 
     *end = n * (part + 1) / parts;
 }
 
-/* Element loads and stores (load_f32 ... store_bf16): c/half.h. */
-
-/* 32-byte vectors (GCC / clang vector extensions) for the backward's channel loops: VL lanes of
- * the accumulation type; FN(loadv) converts VL stored elements; VSPLAT broadcasts a scalar, as
- * x - 0 (exact, so GCC drops the subtraction; 0 + x, which is not exact for x = -0, cost an
- * add per broadcast). A target without 256-bit registers splits each operation in two, with
- * the same results. */
-typedef float msda_v8f __attribute__((vector_size(32)));
-typedef double msda_v4d __attribute__((vector_size(32)));
-typedef uint16_t msda_v8h __attribute__((vector_size(16)));
-typedef uint32_t msda_v8u __attribute__((vector_size(32)));
-
-/* (Vectors travel through pointers: a vector argument or return value would change the ABI
- * between the clones, which GCC warns about.) */
-static inline void loadv_f32(msda_v8f *v, const float *p) { memcpy(v, p, sizeof *v); }
-static inline void loadv_f64(msda_v4d *v, const double *p) { memcpy(v, p, sizeof *v); }
-static inline void loadv_bf16(msda_v8f *v, const uint16_t *p) {
-    msda_v8h h;
-    memcpy(&h, p, sizeof h);
-    const msda_v8u u = __builtin_convertvector(h, msda_v8u) << 16;
-    memcpy(v, &u, sizeof *v);
-}
-static inline void loadv_f16(msda_v8f *v, const uint16_t *p) {
-    for (int i = 0; i < 8; i++) (*v)[i] = msda_half_to_float(p[i]);
-}
+/* Element loads and stores, scalar (load_f32 ... store_bf16) and of 32-byte vectors (loadv_f32
+ * ... loadv_bf16, the vector types msda_v8f and msda_v4d): c/dtypes.h. */
 
 /* The lane sums of three vectors a, b, c, each by a fixed tree: lanes i and i + VL/2 first. */
 static inline void reduce3_v8f(const msda_v8f *a, const msda_v8f *b, const msda_v8f *c,
@@ -232,8 +210,7 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// kernels, one set per element type (CHUNK: channels one register-resident accumulator holds in
-// the forward; VEC / VL: the backward's 32-byte vector type and its lanes)
+// kernels, one set per element type (c/cpu_instances.inc: a row of the dtype table each)
 
 /* Points located together (lane-wise) before their channel loops run. */
 #define GROUP 16
@@ -243,63 +220,41 @@ static inline uint32_t morton16(uint32_t x, uint32_t y) {
 /* value tensors above this size get the rows the backward gathers prefetched */
 #define PREFETCH_MIN_BYTES ((int64_t)4 << 20)
 
-#define SCALAR float
-#define ACC float
-#define SUFFIX f32
-#define VEC msda_v8f
-#define VL 8
-#define VSPLAT(x) ((x) - (msda_v8f){0})
-#define REDUCE3 reduce3_v8f
-#define CHUNK 32
-#define HALF_STORAGE 0
-#include "cpu_kernels.inc"
+/* The backward's 32-byte vector of ACC lanes (VEC, VL lanes), a broadcast (VSPLAT, as x - 0:
+ * exact, so GCC drops the subtraction; 0 + x, which is not exact for x = -0, cost an add per
+ * broadcast), the three-sum reduction (REDUCE3) and the forward's register-resident chunk of
+ * channels (CHUNK), by accumulation type. */
+#define PLAIN_VEC_float msda_v8f
+#define PLAIN_VL_float 8
+#define PLAIN_REDUCE3_float reduce3_v8f
+#define PLAIN_CHUNK_float 32
+#define PLAIN_VEC_double msda_v4d
+#define PLAIN_VL_double 4
+#define PLAIN_REDUCE3_double reduce3_v4d
+#define PLAIN_CHUNK_double 16
+#define PLAIN_OF_ACC_(param, acc) PLAIN_##param##_##acc
+#define PLAIN_OF_ACC(param, acc) PLAIN_OF_ACC_(param, acc)
+#define VEC PLAIN_OF_ACC(VEC, ACC)
+#define VL PLAIN_OF_ACC(VL, ACC)
+#define VSPLAT(x) ((x) - (VEC){0})
+#define REDUCE3 PLAIN_OF_ACC(REDUCE3, ACC)
+#define CHUNK PLAIN_OF_ACC(CHUNK, ACC)
 
-#define SCALAR double
-#define ACC double
-#define SUFFIX f64
-#define VEC msda_v4d
-#define VL 4
-#define VSPLAT(x) ((x) - (msda_v4d){0})
-#define REDUCE3 reduce3_v4d
-#define CHUNK 16
-#define HALF_STORAGE 0
-#include "cpu_kernels.inc"
-
-#define SCALAR uint16_t
-#define ACC float
-#define SUFFIX f16
-#define VEC msda_v8f
-#define VL 8
-#define VSPLAT(x) ((x) - (msda_v8f){0})
-#define REDUCE3 reduce3_v8f
-#define CHUNK 32
-#define HALF_STORAGE 1
-#include "cpu_kernels.inc"
-
-#define SCALAR uint16_t
-#define ACC float
-#define SUFFIX bf16
-#define VEC msda_v8f
-#define VL 8
-#define VSPLAT(x) ((x) - (msda_v8f){0})
-#define REDUCE3 reduce3_v8f
-#define CHUNK 32
-#define HALF_STORAGE 1
-#include "cpu_kernels.inc"
+#define CPU_TEMPLATE "cpu_plain.inc"
+#include "cpu_instances.inc"
 
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-int msda_cpu_forward(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {
-        [MSDA_F32] = forward_f32, [MSDA_F64] = forward_f64,
-        [MSDA_F16] = forward_f16, [MSDA_BF16] = forward_bf16};
+#define FORWARD_OF(code, suffix, ...) [code] = MSDA_CAT(forward, suffix),
+#define BACKWARD_OF(code, suffix, ...) [code] = MSDA_CAT(backward, suffix),
+
+int msda_cpu_plain_forward(const msda_problem *pr) {
+    static const cpu_kernel kernels[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(FORWARD_OF)};
     return run_kernel(pr, "msda_forward", kernels);
 }
 
-int msda_cpu_backward(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {
-        [MSDA_F32] = backward_f32, [MSDA_F64] = backward_f64,
-        [MSDA_F16] = backward_f16, [MSDA_BF16] = backward_bf16};
+int msda_cpu_plain_backward(const msda_problem *pr) {
+    static const cpu_kernel kernels[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(BACKWARD_OF)};
     return run_kernel(pr, "msda_backward", kernels);
 }

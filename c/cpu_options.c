@@ -1,5 +1,5 @@
-/* c/cpu_general.c: the CPU forward and backward for every problem the tuned kernels of
- * c/cpu_kernels.c do not serve (msda_needs_general()): per-level point counts (level_points),
+/* c/cpu_options.c: the CPU forward and backward for every problem the tuned kernels of
+ * c/cpu_plain.c do not serve (msda_uses_options()): per-level point counts (level_points),
  * nearest sampling (MSDA_NEAREST), and both together.
  *
  * Math, gradients and the out-of-range rule: c/msda.h.
@@ -9,14 +9,15 @@
  * gradients of its (b, *, h) points: no two threads write the same element, no atomics, and the
  * results do not depend on the thread count (the CPU backward is deterministic).
  * Numerics: ACC (accumulation) is f32 for f32/f16/bf16 and f64 for f64; positions are
- * computed in double, where they are exact. Halves are converted as they are loaded (half.h), the
+ * computed in double, where they are exact. Halves are converted as they are loaded (dtypes.h), the
  * grad_output row once per (b, q, h). Channel loops are innermost and contiguous. With
  * MSDA_POINTS_F32 the half kernels read locations and weights as float32 and write
  * their gradients as float32, testing the flag per point, outside the channel loops.
  * Not tuned: these paths serve RT-DETRv2-style layers, where the tuned kernels do not apply
- * (their times beside the tuned plain op's: kernels/TUNING.md, CPU "general").
- * The per-element-type kernels are cpu_general.inc, included once per type in the idiom of
- * c/cpu_common.h (as cpu_kernels.c includes cpu_kernels.inc).
+ * (their times beside the tuned plain op's: kernels/TUNING.md, CPU "general", the
+ * name this family had when it was measured).
+ * The per-element-type kernels are cpu_options.inc, included once per type in the idiom of
+ * c/cpu_common.h (as cpu_plain.c includes cpu_plain.inc).
  */
 
 #include <math.h>
@@ -41,7 +42,7 @@ typedef struct {
     double w[4];    /* the corner's weight in the sample */
     double fx, fy;  /* bilinear: the point's fraction inside its cell */
     int hit;        /* some corner is read */
-} general_sample;
+} options_sample;
 
 static void free_tables(cpu_tables *cx) { free(cx); }
 
@@ -82,7 +83,7 @@ static inline int64_t checked_position(const cpu_level *lv, int64_t S, int64_t x
     return pos >= 0 && pos < S ? pos : -1;
 }
 
-static void locate_bilinear(general_sample *g, const cpu_level *lv, int64_t S, double loc_x,
+static void locate_bilinear(options_sample *g, const cpu_level *lv, int64_t S, double loc_x,
                             double loc_y) {
     const double W = (double)lv->w, H = (double)lv->h;
     const double x = loc_x * W - 0.5, y = loc_y * H - 0.5;
@@ -110,7 +111,7 @@ static inline int64_t nearest_index(double v, int64_t size) {
     return (int64_t)v; /* truncation is floor for v >= 0 */
 }
 
-static void locate_nearest(general_sample *g, const cpu_level *lv, int64_t S, double loc_x,
+static void locate_nearest(options_sample *g, const cpu_level *lv, int64_t S, double loc_x,
                            double loc_y) {
     g->hit = 0;
     g->fx = g->fy = 0.0;
@@ -123,7 +124,7 @@ static void locate_nearest(general_sample *g, const cpu_level *lv, int64_t S, do
     g->hit = g->pos[0] >= 0;
 }
 
-static inline void locate(general_sample *g, const cpu_tables *cx, int64_t point, double loc_x,
+static inline void locate(options_sample *g, const cpu_tables *cx, int64_t point, double loc_x,
                           double loc_y) {
     const cpu_level *lv = &cx->levels[cx->point_level[point]];
     if (cx->nearest)
@@ -133,13 +134,13 @@ static inline void locate(general_sample *g, const cpu_tables *cx, int64_t point
 }
 
 /* One task of a call (a forward row, a backward slice) with its thread's scratch. */
-typedef void (*general_task)(const cpu_tables *cx, int64_t task, void *scratch);
+typedef void (*options_task)(const cpu_tables *cx, int64_t task, void *scratch);
 
 /* The tasks of a call, handed out `chunk` at a time from a shared counter to its workers, each
  * with scratch_bytes of scratch of its own. */
 typedef struct {
     const cpu_tables *cx;
-    general_task task;
+    options_task task;
     int64_t tasks, next, chunk, scratch_bytes;
     char *scratch;
 } task_queue;
@@ -157,7 +158,7 @@ static void run_queue(void *arg, size_t worker) {
 
 /* Runs tasks [0, tasks) of a call with `work` sampling points, handed out `chunk` at a time to
  * the threads, each with scratch_bytes of its own scratch (a multiple of the element size). */
-static int run_tasks(const cpu_tables *cx, const char *fn, general_task task, int64_t tasks,
+static int run_tasks(const cpu_tables *cx, const char *fn, options_task task, int64_t tasks,
                      int64_t work, int64_t scratch_bytes, int chunk) {
     const int threads = cpu_threads(cx->pr, work, tasks);
     task_queue q = {cx, task, tasks, 0, chunk, scratch_bytes, NULL};
@@ -171,46 +172,24 @@ static int run_tasks(const cpu_tables *cx, const char *fn, general_task task, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// kernels, once per element type (SCALAR storage, ACC accumulation)
+// kernels, once per element type (c/cpu_instances.inc: a row of the dtype table each)
 
-#define SUFFIX f32
-#define SCALAR float
-#define ACC float
-#define HALF_STORAGE 0
-#include "cpu_general.inc"
-
-#define SUFFIX f64
-#define SCALAR double
-#define ACC double
-#define HALF_STORAGE 0
-#include "cpu_general.inc"
-
-#define SUFFIX f16
-#define SCALAR uint16_t
-#define ACC float
-#define HALF_STORAGE 1
-#include "cpu_general.inc"
-
-#define SUFFIX bf16
-#define SCALAR uint16_t
-#define ACC float
-#define HALF_STORAGE 1
-#include "cpu_general.inc"
+#define CPU_TEMPLATE "cpu_options.inc"
+#include "cpu_instances.inc"
 
 // ---------------------------------------------------------------------------------------------
 // entry points
 
-int msda_cpu_forward_general(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {
-        [MSDA_F32] = general_forward_f32, [MSDA_F64] = general_forward_f64,
-        [MSDA_F16] = general_forward_f16, [MSDA_BF16] = general_forward_bf16};
+#define FORWARD_OF(code, suffix, ...) [code] = MSDA_CAT(options_forward, suffix),
+#define BACKWARD_OF(code, suffix, ...) [code] = MSDA_CAT(options_backward, suffix),
+
+int msda_cpu_options_forward(const msda_problem *pr) {
+    static const cpu_kernel kernels[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(FORWARD_OF)};
     return run_kernel(pr, "msda_forward", kernels);
 }
 
-int msda_cpu_backward_general(const msda_problem *pr) {
-    static const cpu_kernel kernels[4] = {
-        [MSDA_F32] = general_backward_f32, [MSDA_F64] = general_backward_f64,
-        [MSDA_F16] = general_backward_f16, [MSDA_BF16] = general_backward_bf16};
+int msda_cpu_options_backward(const msda_problem *pr) {
+    static const cpu_kernel kernels[MSDA_DTYPE_COUNT] = {MSDA_DTYPES(BACKWARD_OF)};
     if (!pr->grad_value && !pr->grad_sampling_locations && !pr->grad_attention_weights)
         return MSDA_OK;
     return run_kernel(pr, "msda_backward", kernels);

@@ -1,0 +1,174 @@
+/* c/dtypes.h: the element types the library serves, one row each (MSDA_DTYPES), the table the
+ * entry points, the route chooser and both dispatches (CPU: c/cpu_common.h, CUDA:
+ * kernels/common.cuh) read; and, for the CPU kernels, each type's element loads and stores.
+ * Adding a dtype: docs/changing.md. Plain C, includable from CUDA C++ (the conversions below
+ * are compiled for host C only). */
+#ifndef MSDA_DTYPES_H
+#define MSDA_DTYPES_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "msda.h"
+
+/* ---- the table ------------------------------------------------------------------------------
+ * Row i is dtype code i (msda_dtype, c/msda.h), in that order: X(code, suffix, CPU storage type,
+ * accumulation type, CUDA storage type, half), where the suffix names the functions and files of
+ * the type (forward_f32, kernels/instances/backward_f32.cu), and half is 1 for a half type:
+ * 2-byte storage computed in f32, which takes MSDA_POINTS_F32, the wide forward, and (before
+ * sm_90) a grad_value summed in an f32 workspace. A type accumulated in f32 has the fast CUDA
+ * kernels; one accumulated in f64 the generic ones. A new row: MSDA_DTYPE_<i> and its name in
+ * MSDA_DTYPES. */
+#define MSDA_DTYPE_0(X) X(MSDA_F32, f32, float, float, float, 0)
+#define MSDA_DTYPE_1(X) X(MSDA_F64, f64, double, double, double, 0)
+#define MSDA_DTYPE_2(X) X(MSDA_F16, f16, uint16_t, float, __half, 1)
+#define MSDA_DTYPE_3(X) X(MSDA_BF16, bf16, uint16_t, float, __nv_bfloat16, 1)
+#define MSDA_DTYPES(X) MSDA_DTYPE_0(X) MSDA_DTYPE_1(X) MSDA_DTYPE_2(X) MSDA_DTYPE_3(X)
+
+/* The number of rows, a constant expression the preprocessor can test too. */
+#define MSDA_DTYPE_PLUS_ONE(...) +1
+#define MSDA_DTYPE_COUNT (0 MSDA_DTYPES(MSDA_DTYPE_PLUS_ONE))
+/* One column of row `row` (a number or a macro naming one): MSDA_DTYPE_AT(0, MSDA_DTYPE_SUFFIX)
+ * is f32. */
+#define MSDA_DTYPE_AT(row, column) MSDA_DTYPE_AT_(row, column)
+#define MSDA_DTYPE_AT_(row, column) MSDA_DTYPE_##row(column)
+#define MSDA_DTYPE_CODE(code, suffix, cpu_type, acc_type, cuda_type, half) code
+#define MSDA_DTYPE_SUFFIX(code, suffix, cpu_type, acc_type, cuda_type, half) suffix
+#define MSDA_DTYPE_CPU_TYPE(code, suffix, cpu_type, acc_type, cuda_type, half) cpu_type
+#define MSDA_DTYPE_ACC_TYPE(code, suffix, cpu_type, acc_type, cuda_type, half) acc_type
+#define MSDA_DTYPE_HALF(code, suffix, cpu_type, acc_type, cuda_type, half) half
+
+/* name_suffix, with both arguments macro-expanded first (FN(forward) is forward_f32). */
+#define MSDA_CAT_(a, b) a##_##b
+#define MSDA_CAT(a, b) MSDA_CAT_(a, b)
+
+/* Bytes of one element of `dtype` (0 for an unknown code). */
+static inline int64_t msda_dtype_size(int dtype) {
+#define MSDA_DTYPE_SIZE_CASE(code, suffix, cpu_type, acc_type, cuda_type, half) \
+    case code: return (int64_t)sizeof(cpu_type);
+    switch (dtype) { MSDA_DTYPES(MSDA_DTYPE_SIZE_CASE) default: return 0; }
+#undef MSDA_DTYPE_SIZE_CASE
+}
+/* 1 for a half type (see the table), 0 otherwise. */
+static inline int msda_dtype_half(int dtype) {
+#define MSDA_DTYPE_HALF_CASE(code, suffix, cpu_type, acc_type, cuda_type, half) \
+    case code: return half;
+    switch (dtype) { MSDA_DTYPES(MSDA_DTYPE_HALF_CASE) default: return 0; }
+#undef MSDA_DTYPE_HALF_CASE
+}
+/* Bytes of `dtype`'s accumulation type (0 for an unknown code). */
+static inline int64_t msda_dtype_acc_size(int dtype) {
+#define MSDA_DTYPE_ACC_CASE(code, suffix, cpu_type, acc_type, cuda_type, half) \
+    case code: return (int64_t)sizeof(acc_type);
+    switch (dtype) { MSDA_DTYPES(MSDA_DTYPE_ACC_CASE) default: return 0; }
+#undef MSDA_DTYPE_ACC_CASE
+}
+/* 1 for a type accumulated in f32 (the fast CUDA kernels serve it), 0 otherwise. */
+static inline int msda_dtype_acc_f32(int dtype) { return msda_dtype_acc_size(dtype) == 4; }
+
+#if !defined(__CUDACC__)
+/* ---- the CPU's element loads and stores -----------------------------------------------------
+ * IEEE binary16 and bfloat16 <-> float conversions, written out in integer arithmetic so any C99
+ * compiler builds them (no _Float16, no F16C); float -> half rounds to nearest even, NaN stays
+ * NaN, overflow goes to infinity. */
+
+static inline float msda_bits_to_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t msda_float_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* Branch-free, so a loop converting a row vectorises: the exponent and mantissa shifted into
+ * place and rebiased are a normal number's bits; all-ones exponents (inf, nan) get the float's
+ * all-ones exponent; subnormals are the mantissa times 2^-24, formed exactly as
+ * (2^-14 + man * 2^-24) - 2^-14. */
+static inline float msda_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = (uint32_t)(h & 0x7fffu) << 13; /* exponent and mantissa, float places */
+    const uint32_t exp = em & 0x0f800000u;
+    const uint32_t normal = em + 0x38000000u;           /* rebias: (127 - 15) << 23 */
+    const uint32_t special = em | 0x7f800000u;          /* inf / nan, payload kept */
+    const float sub = msda_bits_to_float(em + 0x38800000u) - 6.103515625e-05f; /* - 2^-14 */
+    const uint32_t bits = exp == 0x0f800000u ? special : exp == 0 ? msda_float_to_bits(sub) : normal;
+    return msda_bits_to_float(bits | sign);
+}
+
+static inline uint16_t msda_float_to_half(float f) {
+    uint32_t u = msda_float_to_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u); /* nan / inf */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;      /* rounds past 65504: inf */
+    if (a < 0x38800000u) {                            /* below 2^-14: subnormal half or zero */
+        /* man * 2^-24 with round-to-nearest-even, done by the FPU: adding 0.5 (2^-1) shifts
+         * the value's bits so the half's subnormal mantissa lands in the low bits. */
+        float t = msda_bits_to_float(a) + 0.5f;
+        return sign | (uint16_t)(msda_float_to_bits(t) - 0x3f000000u);
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
+    return sign | (uint16_t)(a >> 13);
+}
+
+static inline float msda_bf16_to_float(uint16_t b) { return msda_bits_to_float((uint32_t)b << 16); }
+
+static inline uint16_t msda_float_to_bf16(float f) {
+    uint32_t u = msda_float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet nan */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* Element loads and stores of the CPU kernels by storage type (the half ones convert; f32 is
+ * the accumulation type of f32, f16 and bf16). Branch-free, so channel loops that convert a row
+ * while reading it still vectorise. */
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline double load_f64(const double *p, int64_t i) { return p[i]; }
+static inline float load_f16(const uint16_t *p, int64_t i) { return msda_half_to_float(p[i]); }
+static inline float load_bf16(const uint16_t *p, int64_t i) { return msda_bf16_to_float(p[i]); }
+static inline void store_f32(float *p, int64_t i, float v) { p[i] = v; }
+static inline void store_f64(double *p, int64_t i, double v) { p[i] = v; }
+static inline void store_f16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_half(v); }
+static inline void store_bf16(uint16_t *p, int64_t i, float v) { p[i] = msda_float_to_bf16(v); }
+
+/* 32-byte vectors (GCC / clang vector extensions) for the channel loops of the plain op's backward
+ * (c/cpu_plain_backward.inc): lanes of the accumulation type; loadv_<suffix> converts one
+ * vector's worth of stored elements. A target without 256-bit registers splits each operation
+ * in two, with the same results. */
+typedef float msda_v8f __attribute__((vector_size(32)));
+typedef double msda_v4d __attribute__((vector_size(32)));
+typedef uint16_t msda_v8h __attribute__((vector_size(16)));
+typedef uint32_t msda_v8u __attribute__((vector_size(32)));
+
+/* (Vectors travel through pointers: a vector argument or return value would change the ABI
+ * between the clones, which GCC warns about.) */
+static inline void loadv_f32(msda_v8f *v, const float *p) { memcpy(v, p, sizeof *v); }
+static inline void loadv_f64(msda_v4d *v, const double *p) { memcpy(v, p, sizeof *v); }
+static inline void loadv_bf16(msda_v8f *v, const uint16_t *p) {
+    msda_v8h h;
+    memcpy(&h, p, sizeof h);
+    const msda_v8u u = __builtin_convertvector(h, msda_v8u) << 16;
+    memcpy(v, &u, sizeof *v);
+}
+static inline void loadv_f16(msda_v8f *v, const uint16_t *p) {
+    for (int i = 0; i < 8; i++) (*v)[i] = msda_half_to_float(p[i]);
+}
+
+/* Locations, weights and their gradients inside the kernel templates (c/cpu_plain.inc,
+ * c/cpu_options.inc, which define SCALAR, LOAD, STORE and HALF_STORAGE): elements of SCALAR, or
+ * float32 with MSDA_POINTS_F32 (c/msda.h), which only half storage has. points_f32 is
+ * POINTS_F32(pr); with HALF_STORAGE 0 every test folds to the SCALAR case at compile time, so
+ * the f32 and f64 kernels compile as if it were not there. POINT_AT: the address of element i;
+ * POINT_BYTES: the size of one. */
+#define POINTS_F32(pr) (HALF_STORAGE && ((pr)->flags & MSDA_POINTS_F32))
+#define LOAD_POINT(p, i, points_f32)                                                            \
+    ((HALF_STORAGE && (points_f32)) ? load_f32((const float *)(p), i)                           \
+                                    : LOAD((const SCALAR *)(p), i))
+#define STORE_POINT(p, i, v, points_f32)                                                        \
+    ((HALF_STORAGE && (points_f32)) ? store_f32((float *)(p), i, v) : STORE((SCALAR *)(p), i, v))
+#define POINT_AT(p, i, points_f32)                                                              \
+    ((HALF_STORAGE && (points_f32)) ? (void *)((float *)(p) + (i))                              \
+                                    : (void *)((SCALAR *)(p) + (i)))
+#define POINT_BYTES(points_f32) \
+    ((HALF_STORAGE && (points_f32)) ? (int64_t)sizeof(float) : (int64_t)sizeof(SCALAR))
+
+#endif /* !__CUDACC__ */
+
+#endif /* MSDA_DTYPES_H */
