@@ -11,10 +11,10 @@ import warnings
 
 import torch
 
-from . import _lib
+from . import _clib
 from ._buffers import pool as _cpu_pool
 from ._checks import _DTYPE_CODE
-from ._lib import check as _check, lib
+from ._clib import check as _check, lib
 from ._torch_private import current_raw_stream as _current_stream, direct_apply, \
     functorch_active as _functorch_active
 from .reference import ms_deform_attn_pytorch
@@ -30,11 +30,11 @@ _forward_c, _backward_c = lib.msda_forward, lib.msda_backward
 _CALL = ("B", "S", "H", "C", "L", "Q", "P", "dtype", "index_dtype", "device", "num_threads",
          "flags", "level_points", "value", "spatial_shapes", "level_start_index",
          "sampling_locations", "attention_weights")
-_pack_forward = _lib.args_packer(*_CALL, "output", "stream")
-_pack_backward = _lib.args_packer(*_CALL, "grad_output", "grad_value", "grad_sampling_locations",
+_pack_forward = _clib.args_packer(*_CALL, "output", "stream")
+_pack_backward = _clib.args_packer(*_CALL, "grad_output", "grad_value", "grad_sampling_locations",
                                   "grad_attention_weights", "workspace", "workspace_bytes",
                                   "stream")
-_pack_sizes = _lib.args_packer("B", "S", "H", "C", "L", "Q", "P", "dtype", "device", "flags")
+_pack_sizes = _clib.args_packer("B", "S", "H", "C", "L", "Q", "P", "dtype", "device", "flags")
 
 
 def _device_args(t):
@@ -49,7 +49,7 @@ def _device_args(t):
 def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     if loc.dtype is not value.dtype:  # float32 points, half value (_plan._points)
-        flags |= _lib.FLAG_POINTS_F32
+        flags |= _clib.FLAG_POINTS_F32
     out = value.new_empty((B, Q, H * C))
     if value.is_cuda:  # _device_args, inline
         device = value.get_device()
@@ -70,7 +70,7 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
               lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
     if loc.dtype is not value.dtype:  # float32 points, half value (_plan._points)
-        flags |= _lib.FLAG_POINTS_F32
+        flags |= _clib.FLAG_POINTS_F32
     grad_out = grad_out.contiguous()
     if grad_out.dtype != value.dtype:
         grad_out = grad_out.to(value.dtype)
@@ -91,11 +91,11 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
         grad_attn = _cpu_empty(attn.shape, attn.dtype) if need_attn else None
     workspace, workspace_bytes = None, 0
     if (need_value and device >= 0
-            and (flags & _lib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
+            and (flags & _clib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
         workspace_bytes = lib.msda_backward_workspace_size(
             _pack_sizes(B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags))
         if workspace_bytes < 0:
-            _check(_lib.ERR_INVALID_ARGUMENT)
+            _check(_clib.ERR_INVALID_ARGUMENT)
         if workspace_bytes > 0:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
     shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
@@ -177,13 +177,13 @@ def _slow_path(device):
     strict = os.environ.get(REQUIRE_KERNELS, "0") not in ("", "0")
     if _slow_path_warned and not strict:
         return
-    if not _lib.has_cuda_kernels:
-        cause = f"the pymsda library it loaded ({_lib.path}) was built without CUDA kernels"
+    if not _clib.has_cuda_kernels:
+        cause = f"the pymsda library it loaded ({_clib.path}) was built without CUDA kernels"
         fix = ("build them: in the pymsda checkout, `make && pip install .` with a CUDA compiler "
                "present (no CUDA toolkit? docs/build.md says which pip command installs one)")
     else:
         major, minor = torch.cuda.get_device_capability(device)
-        cause = _lib.unserved_cuda.get(device.index, "its kernels do not run on this GPU")
+        cause = _clib.unserved_cuda.get(device.index, "its kernels do not run on this GPU")
         fix = (f"rebuild for this GPU: `make CUDA_ARCHS={major}{minor} && pip install .` in the "
                "pymsda checkout, or update the NVIDIA driver if it is older than the CUDA the "
                "library was built with")
@@ -206,7 +206,7 @@ def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     out = ms_deform_attn_pytorch(
         value if value.dtype is loc.dtype else value.to(loc.dtype), spatial_shapes, loc, attn,
         num_points_list=num_points_list,
-        sampling="nearest" if flags & _lib.FLAG_NEAREST else "bilinear")
+        sampling="nearest" if flags & _clib.FLAG_NEAREST else "bilinear")
     return out if out.dtype is value.dtype else out.to(value.dtype)
 
 

@@ -3,15 +3,15 @@ and what was given. The fast checks answer the common call in one pass and fall 
 named ones, which say what is wrong."""
 import torch
 
-from . import _lib
+from . import _clib
 
 _DTYPE_CODE = {
-    torch.float32: _lib.DTYPE_F32,
-    torch.float64: _lib.DTYPE_F64,
-    torch.float16: _lib.DTYPE_F16,
-    torch.bfloat16: _lib.DTYPE_BF16,
+    torch.float32: _clib.DTYPE_F32,
+    torch.float64: _clib.DTYPE_F64,
+    torch.float16: _clib.DTYPE_F16,
+    torch.bfloat16: _clib.DTYPE_BF16,
 }
-_INDEX_CODE = {torch.int64: _lib.INDEX_I64, torch.int32: _lib.INDEX_I32}
+_INDEX_CODE = {torch.int64: _clib.INDEX_I64, torch.int32: _clib.INDEX_I32}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import _lib
+from . import _clib
 from ._autograd import _backward, _forward, _reference
-from ._lib import serves as _library_serves
+from ._clib import serves as _library_serves
 from ._checks import (_check_float_tensor, _check_grad_output, _check_pairs, _check_shapes_only,
                       _point_counts)
 from ._plan import _points, _prepare
@@ -95,7 +95,7 @@ def _setup_context(ctx, inputs, output):
 def _backward_formula(ctx, grad_output):
     value, spatial_shapes, level_start_index, loc, attn = ctx.saved_tensors
     need_value, _, _, need_loc, need_attn = ctx.needs_input_grad[:5]
-    need_loc = need_loc and not ctx.flags & _lib.FLAG_NEAREST  # None, as ms_deform_attn gives
+    need_loc = need_loc and not ctx.flags & _clib.FLAG_NEAREST  # None, as ms_deform_attn gives
     grad_value, grad_loc, grad_attn = _backward_op(
         grad_output, value, spatial_shapes, level_start_index, loc, attn, ctx.num_points_list,
         ctx.flags, need_value, need_loc, need_attn)

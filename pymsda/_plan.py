@@ -5,10 +5,10 @@ layout, level tables seen before) is answered in one pass at the top; anything e
 the checks, which name what is wrong, and to the preparation of what is new."""
 import torch
 
-from . import _lib
+from . import _clib
 from ._checks import (_DTYPE_CODE, _MAX_ELEMENTS, _aligned_contiguous, _check_levels,
                       _check_min_sizes, _check_sizes, _check_tensors, _elements_fit)
-from ._lib import served_cuda as _served_cuda
+from ._clib import served_cuda as _served_cuda
 from ._tables import (_level_points, _list_levels_cache, _prepare_levels,
                       _remembered_tensor_levels)
 
@@ -124,7 +124,7 @@ def _contiguous(value, levels, loc, attn, sizes, lp):
     return value, levels, loc, attn, sizes, lp
 
 
-_SAMPLING_FLAGS = {"bilinear": 0, "nearest": _lib.FLAG_NEAREST}
+_SAMPLING_FLAGS = {"bilinear": 0, "nearest": _clib.FLAG_NEAREST}
 _deterministic_algorithms = torch.are_deterministic_algorithms_enabled
 
 
@@ -137,5 +137,5 @@ def _flags(sampling, deterministic):
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:
-        flags |= _lib.FLAG_DETERMINISTIC
+        flags |= _clib.FLAG_DETERMINISTIC
     return flags

@@ -8,9 +8,9 @@ import torch
 
 from ._checks import (_INDEX_CODE, _aligned_contiguous, _check_pairs, _check_positive,
                       _check_shapes_tensor, _check_start_index_tensor, _point_counts)
-from ._lib import check as _check, lib, \
+from ._clib import check as _check, lib, \
     serves_cuda as _serves_cuda
-from ._lib import getenv as _getenv
+from ._clib import getenv as _getenv
 from ._torch_private import current_raw_stream as _current_stream, tracing as _tracing
 
 _Tensor = torch.Tensor

@@ -11,7 +11,7 @@ import torch
 
 from ._checks import _check_pairs, _point_counts
 from ._decompose import decompose
-from ._lib import FLAG_NEAREST
+from ._clib import FLAG_NEAREST
 from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
 from ._tables import _starts_of
 from ._torch_private import jit_tracing_state

@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import _lib
+from . import _clib
 from ._autograd import _MetaMSDA, _reference, _run
-from ._lib import serves as _library_serves
+from ._clib import serves as _library_serves
 from ._torch_private import dispatch_mode_depth as _dispatch_modes, \
     is_compiling as _is_compiling, traced as _traced
 from ._trace import _dynamo_traced, _jit_traced, _tracing_state
@@ -88,10 +88,10 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                      attention_weights, validate, num_points_list)  # raises, naming the argument
         attention_weights = _softmax_points(value, sampling_locations, attention_weights)
     if sampling == "bilinear" and deterministic is None:  # (at once)
-        flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
+        flags = _clib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
     else:
         flags = _flags(sampling, deterministic)
-        if flags & _lib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
+        if flags & _clib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
             # piecewise constant in the location: no gradient at all (None), on every path
             sampling_locations = sampling_locations.detach()
     if _tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)

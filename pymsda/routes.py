@@ -32,7 +32,7 @@ import collections
 
 import torch
 
-from . import _lib
+from . import _clib
 from ._checks import _DTYPE_CODE
 from ._plan import _flags
 from ._tables import _level_points
@@ -56,20 +56,20 @@ def _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministi
     flags = _flags(sampling, deterministic)
     if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
                                                                            torch.bfloat16):
-        flags |= _lib.FLAG_POINTS_F32  # (_plan._points: float32 points)
-    return _lib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
+        flags |= _clib.FLAG_POINTS_F32  # (_plan._points: float32 points)
+    return _clib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
                           device=device, flags=flags, level_points=level_points)
 
 
 def _checked(route):
     if route < 0:
-        raise ValueError("pymsda: " + _lib.lib.msda_last_error().decode())
+        raise ValueError("pymsda: " + _clib.lib.msda_last_error().decode())
     return route
 
 
 def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
                   softmax=False, aligned=True, points_dtype=None):
-    """The kernel the CUDA forward runs (a name of _lib.FWD_ROUTE_KERNELS: 'none', 'generic',
+    """The kernel the CUDA forward runs (a name of _clib.FWD_ROUTE_KERNELS: 'none', 'generic',
     'fast', 'wide', 'direct') for these sizes (as in ms_deform_attn: value (B, S, H, C), L levels, Q
     queries, P points per level, or per-level counts in num_points_list with P their sum), dtype
     (value's) and options. points_dtype: that of sampling_locations and attention_weights
@@ -79,8 +79,8 @@ def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling=
     depends on no GPU: any build answers."""
     args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, False, points_dtype,
                     -1)
-    route = _checked(_lib.lib.msda_forward_route(args, int(bool(aligned))))
-    return _lib.FWD_ROUTE_KERNELS[route]
+    route = _checked(_clib.lib.msda_forward_route(args, int(bool(aligned))))
+    return _clib.FWD_ROUTE_KERNELS[route]
 
 
 def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
@@ -115,8 +115,8 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
     # softmax=True composes torch's softmax with the plain op: the same route as without it
     args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
                     points_dtype, index)
-    route = _checked(_lib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
+    route = _checked(_clib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
                                                   int(bool(aligned)), multiprocessors,
                                                   sm90_code))
-    return Route(_lib.ROUTE_KERNELS[route & _lib.ROUTE_KERNEL_MASK],
-                 bool(route & _lib.ROUTE_DETERMINISTIC), bool(route & _lib.ROUTE_F32_WORKSPACE))
+    return Route(_clib.ROUTE_KERNELS[route & _clib.ROUTE_KERNEL_MASK],
+                 bool(route & _clib.ROUTE_DETERMINISTIC), bool(route & _clib.ROUTE_F32_WORKSPACE))

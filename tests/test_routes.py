@@ -152,7 +152,7 @@ def test_backward_route_follows_the_chooser_table(name, args, expected):
 
 def test_every_route_appears_in_the_table():
     kernels = {expected.kernel for _, _, expected in TABLE}
-    assert kernels == set(pymsda._lib.ROUTE_KERNELS.values())
+    assert kernels == set(pymsda._clib.ROUTE_KERNELS.values())
     assert any(e.deterministic for _, _, e in TABLE) and any(e.f32_workspace for _, _, e in TABLE)
 
 
@@ -232,7 +232,7 @@ def test_forward_route_follows_the_chooser_table(name, args, expected):
 
 def test_every_forward_route_appears_in_the_table():
     kernels = {expected for _, _, expected in FORWARD_TABLE}
-    assert kernels == set(pymsda._lib.FWD_ROUTE_KERNELS.values())
+    assert kernels == set(pymsda._clib.FWD_ROUTE_KERNELS.values())
 
 
 @pytest.mark.parametrize("bad,error,match", [
@@ -455,10 +455,10 @@ def test_route_codes_match_the_header():
              re.findall(r"MSDA_ROUTE_(\w+)\s*=\s*(0x[0-9a-fA-F]+|\d+)", header)}
     kernels = {name.lower(): code for name, code in codes.items()
                if code <= 0xFF and name != "KERNEL_MASK"}
-    assert kernels == {name: code for code, name in pymsda._lib.ROUTE_KERNELS.items()}
-    assert codes["KERNEL_MASK"] == pymsda._lib.ROUTE_KERNEL_MASK
-    assert codes["DETERMINISTIC"] == pymsda._lib.ROUTE_DETERMINISTIC
-    assert codes["F32_WORKSPACE"] == pymsda._lib.ROUTE_F32_WORKSPACE
+    assert kernels == {name: code for code, name in pymsda._clib.ROUTE_KERNELS.items()}
+    assert codes["KERNEL_MASK"] == pymsda._clib.ROUTE_KERNEL_MASK
+    assert codes["DETERMINISTIC"] == pymsda._clib.ROUTE_DETERMINISTIC
+    assert codes["F32_WORKSPACE"] == pymsda._clib.ROUTE_F32_WORKSPACE
     forward = {name.lower(): int(value) for name, value in
                re.findall(r"MSDA_FWD_ROUTE_(\w+)\s*=\s*(\d+)", header)}
-    assert forward == {name: code for code, name in pymsda._lib.FWD_ROUTE_KERNELS.items()}
+    assert forward == {name: code for code, name in pymsda._clib.FWD_ROUTE_KERNELS.items()}

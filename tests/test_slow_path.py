@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _autograd, _lib
+from pymsda import _autograd, _clib
 from conftest import REPO, requires_cuda
 
 
@@ -30,19 +30,19 @@ def fresh(monkeypatch):
 
 
 def test_library_without_cuda_kernels_warns_once_naming_the_build(fresh, recwarn):
-    fresh.setattr(_lib, "has_cuda_kernels", False)
+    fresh.setattr(_clib, "has_cuda_kernels", False)
     _autograd._slow_path(torch.device("cuda", 0))
     _autograd._slow_path(torch.device("cuda", 0))
     warned = [w for w in recwarn if issubclass(w.category, pymsda.SlowPathWarning)]
     assert len(warned) == 1
     text = str(warned[0].message)
-    assert "built without CUDA kernels" in text and _lib.path in text
+    assert "built without CUDA kernels" in text and _clib.path in text
     assert "make && pip install ." in text and "PYMSDA_REQUIRE_KERNELS=1" in text
 
 
 def test_gpu_the_kernels_do_not_run_on_names_the_library_reason_and_its_arch(fresh, recwarn):
-    fresh.setattr(_lib, "has_cuda_kernels", True)
-    fresh.setattr(_lib, "unserved_cuda",
+    fresh.setattr(_clib, "has_cuda_kernels", True)
+    fresh.setattr(_clib, "unserved_cuda",
                   {3: "msda_cuda_runs_on: the kernels (sm_100 compute_100) cannot run"})
     fresh.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
     _autograd._slow_path(torch.device("cuda", 3))
@@ -52,7 +52,7 @@ def test_gpu_the_kernels_do_not_run_on_names_the_library_reason_and_its_arch(fre
 
 
 def test_require_kernels_raises_on_every_call(fresh):
-    fresh.setattr(_lib, "has_cuda_kernels", False)
+    fresh.setattr(_clib, "has_cuda_kernels", False)
     fresh.setenv(_autograd.REQUIRE_KERNELS, "1")
     for _ in range(2):
         with pytest.raises(RuntimeError, match="pure-PyTorch path"):
@@ -71,14 +71,14 @@ def test_cpu_calls_never_warn(recwarn, fresh):
 
 
 def test_library_says_whether_its_kernels_run_on_a_device():
-    count = _lib.lib.msda_cuda_device_count()
-    assert _lib.lib.msda_cuda_runs_on(count) == 0  # one past the last device
-    text = _lib.lib.msda_last_error().decode()
-    if _lib.lib.msda_has_cuda():
+    count = _clib.lib.msda_cuda_device_count()
+    assert _clib.lib.msda_cuda_runs_on(count) == 0  # one past the last device
+    text = _clib.lib.msda_last_error().decode()
+    if _clib.lib.msda_has_cuda():
         assert f"no CUDA device {count}" in text
     else:
         assert "no CUDA kernels" in text
-    assert _lib.lib.msda_cuda_runs_on(-1) == 0
+    assert _clib.lib.msda_cuda_runs_on(-1) == 0
 
 
 # ---- on a GPU: a library that cannot serve it, in a subprocess -------------------------------

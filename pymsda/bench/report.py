@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from .. import _lib, library_path
+from .. import _clib, library_path
 
 PASSES = ("fwd", "bwd", "fwdbwd")
 ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
@@ -201,7 +201,7 @@ def environment(device, command=None):
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
-    built = _lib.lib.msda_cuda_version() if _lib.lib.msda_has_cuda() else 0
+    built = _clib.lib.msda_cuda_version() if _clib.lib.msda_has_cuda() else 0
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": name,
