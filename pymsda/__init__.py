@@ -42,9 +42,8 @@ def _torch_api():
 
     from . import _buffers, export, reference, routes
     from .modules import MSDeformAttn
-    from ._autograd import SlowPathWarning
-    from .ops import MSDeformAttnFunction, ms_deform_attn
-    from . import _script  # registers the op that torch.jit.script records
+    from ._op import SlowPathWarning
+    from .ops import MSDeformAttnFunction, ms_deform_attn  # (registers the op TorchScript records)
 
     def has_cuda():
         """True when the library has CUDA kernels, torch sees a GPU and so does the library."""

@@ -22,7 +22,7 @@ any index is computed (so no NaN reaches an integer cast), and so is any locatio
 import torch
 import torch.nn.functional as F
 
-from ._tables import _starts_of
+from ._args import _starts_of
 
 _FAR = -1.0  # a location outside every level: x = -W - 0.5, all four corners at x < 0
 

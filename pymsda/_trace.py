@@ -1,7 +1,7 @@
 """Which path ms_deform_attn takes while a tracer records it (pymsda/export.py says what each
 tracer gets and why): torch.jit.trace and torch.onnx.export(dynamo=False) meet the TorchScript
 tracer; torch.export, torch.compile and torch.onnx.export(dynamo=True) trace through the
-registered op (pymsda/_library.py); ONNX export records the decomposition (pymsda/_decompose.py),
+registered op (pymsda/_op.py); ONNX export records the decomposition (pymsda/_decompose.py),
 TensorRT's plugin node or the node of pymsda's ONNX Runtime op (c/ort_op.c), as onnx_options says
 (this thread's options, kept here)."""
 import threading
@@ -12,8 +12,8 @@ import torch
 from ._checks import _check_pairs, _point_counts
 from ._decompose import decompose
 from ._clib import FLAG_NEAREST
-from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
-from ._tables import _starts_of
+from ._op import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
+from ._args import _starts_of
 from ._torch_private import jit_tracing_state
 
 TENSORRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
@@ -89,7 +89,7 @@ def _onnx(value, spatial_shapes, level_start_index, sampling_locations, attentio
 
 def _exported_forward(value, spatial_shapes, level_start_index, sampling_locations,
                       attention_weights, num_points_list, flags):
-    """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_library.py)."""
+    """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_op.py)."""
     return _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                  num_points_list, flags, dynamo=True)
 

@@ -9,10 +9,10 @@
                                  express the call; or, inside onnx_options(onnxruntime=True), one
                                  pymsda::MSDeformAttn node, pymsda's own ONNX Runtime op (the
                                  library's RegisterCustomOps, c/ort_op.c) for every call
-    torch.export, torch.compile  the registered op (pymsda/_library.py); decompositions() turns
+    torch.export, torch.compile  the registered op (pymsda/_op.py); decompositions() turns
                                  it into the decomposition in an ExportedProgram (for
                                  torch.onnx.export of the program)
-    torch.jit.script             the op pymsda::ms_deform_attn (pymsda/_script.py), whose kernel
+    torch.jit.script             the op pymsda::ms_deform_attn (pymsda/ops.py), whose kernel
                                  is ms_deform_attn: scripted code computes what eager code does;
                                  drop-ins TorchScript cannot compile raise saying what works
                                  (pymsda/_torch_private.py: not_scriptable,
@@ -36,7 +36,7 @@ import contextlib
 
 import torch
 
-from ._library import HAS_TORCH_LIBRARY_OPS
+from ._op import HAS_TORCH_LIBRARY_OPS
 from ._trace import (_METHODS, ONNXRUNTIME_DOMAIN, ONNXRUNTIME_OP, TENSORRT_PLUGIN,
                      _exported_forward, _options)
 

@@ -1,10 +1,10 @@
 """The MSDA operator: ms_deform_attn and Deformable DETR's MSDeformAttnFunction.
 
-One eager path: the arguments are checked and prepared once (pymsda/_plan.py: the common call in
+One eager path: the arguments are checked and prepared once (pymsda/_args.py: the common call in
 one pass, anything else by the checks that name what is wrong), then the op runs through the
-library directly, with one autograd.Function when a gradient is wanted (pymsda/_autograd.py).
+library directly, with one autograd.Function when a gradient is wanted (pymsda/_op.py).
 Where torch has torch.library.custom_op the op is also registered as
-pymsda::ms_deform_attn_forward / _backward (pymsda/_library.py); calls made while torch.compile,
+pymsda::ms_deform_attn_forward / _backward (pymsda/_op.py); calls made while torch.compile,
 torch.export or a dispatch mode traces go through those, where a ctypes call could not be
 recorded. The dispatcher costs several microseconds a call, so eager calls do not use it.
 """
@@ -13,13 +13,13 @@ from typing import Any, Optional
 import torch
 
 from . import _clib
-from ._autograd import _MetaMSDA, _reference, _run
+from ._args import _common, _deterministic_algorithms, _flags, _prepare, _softmax_points
 from ._clib import serves as _library_serves
+from ._op import HAS_TORCH_LIBRARY_OPS, _MetaMSDA, _reference, _run
 from ._torch_private import dispatch_mode_depth as _dispatch_modes, \
-    is_compiling as _is_compiling, traced as _traced
+    is_compiling as _is_compiling, register_script_builtin, script_unsupported, \
+    traced as _traced
 from ._trace import _dynamo_traced, _jit_traced, _tracing_state
-from ._library import HAS_TORCH_LIBRARY_OPS
-from ._plan import _common, _deterministic_algorithms, _flags, _prepare, _softmax_points
 
 _Tensor = torch.Tensor
 
@@ -133,10 +133,69 @@ class MSDeformAttnFunction:
     """Deformable DETR's autograd function, as `MSDeformAttnFunction.apply(value,
     value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
     im2col_step)`; im2col_step is ignored. The annotations are for torch.jit.script, which
-    compiles the class and records the op pymsda::ms_deform_attn (pymsda/_script.py)."""
+    compiles the class and records the op pymsda::ms_deform_attn (registered below)."""
 
     @staticmethod
     def apply(value, value_spatial_shapes: Any, value_level_start_index: Any, sampling_locations,
               attention_weights, im2col_step: Optional[int] = None):
         return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
                               sampling_locations, attention_weights, im2col_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.jit.script: the operator pymsda::ms_deform_attn that scripted code calls.
+#
+# TorchScript cannot compile ms_deform_attn itself (keyword-only options, a C library called by
+# ctypes). So ms_deform_attn is registered as a TorchScript builtin, as torch registers its own
+# Python functions: a scripted function or module that calls pymsda.ms_deform_attn (or a drop-in
+# that is scriptable, see docs/export.md) records one node pymsda::ms_deform_attn, with the same
+# arguments. Its kernel (CompositeImplicitAutograd, so autograd sees what it runs) is
+# ms_deform_attn itself: the scripted code computes exactly what eager code computes, with the
+# same checks and gradients. A saved scripted module loads where pymsda is imported. Registered
+# with torch.library's Python kernels (torch 1.13 and later); spatial_shapes and
+# level_start_index are typed Any, so they may be tensors or lists, as in eager code.
+
+SCRIPT_SCHEMA = ("ms_deform_attn(Tensor value, Any spatial_shapes, Any level_start_index, "
+          "Tensor sampling_locations, Tensor attention_weights, int? im2col_step=None, *, "
+          "int[]? num_points_list=None, str sampling=\"bilinear\", bool softmax=False, "
+          "bool? deterministic=None, bool validate=False) -> Tensor")
+
+_DIRECTLY = ("pymsda.ms_deform_attn is a TorchScript builtin (the operator pymsda::ms_deform_attn)"
+             ": script the function or module that calls it, not the op itself")
+
+
+def _kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            im2col_step=None, num_points_list=None, sampling="bilinear", softmax=False,
+            deterministic=None, validate=False):
+    return ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights, im2col_step, num_points_list=num_points_list,
+                          sampling=sampling, softmax=softmax, deterministic=deterministic,
+                          validate=validate)
+
+
+def _register_script_op():
+    """The torch.library.Library holding the op (kept alive: registrations end with it), or None
+    where this torch cannot register Python kernels."""
+    Library = getattr(getattr(torch, "library", None), "Library", None)
+    if Library is None:
+        return None
+    try:
+        # FRAGMENT: the namespace may already hold the torch.library.custom_op ops (_op.py);
+        # torch 1.13 has no FRAGMENT, and no custom ops to share the namespace with
+        library = Library("pymsda", "FRAGMENT" if HAS_TORCH_LIBRARY_OPS else "DEF")
+        library.define(SCRIPT_SCHEMA)
+        library.impl("ms_deform_attn", _kernel, "CompositeImplicitAutograd")
+        if not register_script_builtin(ms_deform_attn, "pymsda::ms_deform_attn"):
+            return None
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return library
+
+
+_op_library = _register_script_op()
+HAS_SCRIPT_OP = _op_library is not None
+# torch.jit.script(pymsda.ms_deform_attn) itself: say what works (calls from scripted code are
+# resolved to the builtin before this is looked at)
+script_unsupported(ms_deform_attn, _DIRECTLY if HAS_SCRIPT_OP else (
+    "pymsda.ms_deform_attn cannot be compiled by torch.jit.script with torch "
+    f"{torch.__version__}: use torch.jit.trace (it records the op), or torch.onnx.export"))

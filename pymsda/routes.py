@@ -34,8 +34,7 @@ import torch
 
 from . import _clib
 from ._checks import _DTYPE_CODE
-from ._plan import _flags
-from ._tables import _level_points
+from ._args import _flags, _level_points
 
 Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 
@@ -56,7 +55,7 @@ def _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministi
     flags = _flags(sampling, deterministic)
     if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
                                                                            torch.bfloat16):
-        flags |= _clib.FLAG_POINTS_F32  # (_plan._points: float32 points)
+        flags |= _clib.FLAG_POINTS_F32  # (_args._points: float32 points)
     return _clib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
                           device=device, flags=flags, level_points=level_points)
 

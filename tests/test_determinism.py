@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _autograd, _clib
+from pymsda import _op, _clib
 from pymsda.reference import ms_deform_attn_pytorch
 from conftest import DEVICES, requires_cuda, skip_unless_grid_sample_supports
 from factories import (GRAD_NAMES, loose_bound, make_inputs, oracle_backward,
@@ -35,13 +35,13 @@ def deterministic_algorithms():
 def backward_flags(monkeypatch):
     """The flags argument of every msda_backward call the op makes during the test."""
     seen = []
-    real = _autograd._backward_c
+    real = _op._backward_c
 
     def recording(args):
         seen.append(_clib.unpack_args(args)["flags"])
         return real(args)
 
-    monkeypatch.setattr(_autograd, "_backward_c", recording)
+    monkeypatch.setattr(_op, "_backward_c", recording)
     return seen
 
 

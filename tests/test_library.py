@@ -354,7 +354,7 @@ def test_args_struct_mirrors_the_header():
     """pymsda/_clib.py's msda_args (ARGS) has the header's fields, in its order and of its types,
     and the header's size; the hot paths' packers (the fields they set, zeros elsewhere) write
     the bytes ARGS writes."""
-    from pymsda import _autograd, _clib
+    from pymsda import _op, _clib
     header = (REPO / "c" / "msda.h").read_text()
     body = re.search(r"typedef struct \{(.*?)\} msda_args;", header, re.S).group(1)
     body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
@@ -372,11 +372,11 @@ def test_args_struct_mirrors_the_header():
     values = {name: 1000 + i for i, name in enumerate(_clib.ARGS_NAMES)}
     values["reserved"] = 0
     for packer, names in [
-            (_autograd._pack_forward, _autograd._CALL + ("output", "stream")),
-            (_autograd._pack_backward, _autograd._CALL + (
+            (_op._pack_forward, _op._CALL + ("output", "stream")),
+            (_op._pack_backward, _op._CALL + (
                 "grad_output", "grad_value", "grad_sampling_locations", "grad_attention_weights",
                 "workspace", "workspace_bytes", "stream")),
-            (_autograd._pack_sizes, ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device",
+            (_op._pack_sizes, ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device",
                                      "flags"))]:
         assert packer(*(values[n] for n in names)) == _clib.pack_args(
             **{n: values[n] for n in names})

@@ -204,9 +204,9 @@ def test_validate_flag_and_environment_variable_accepted_on_cpu(generator, monke
 
 def test_environment_variable_is_read_on_every_call(monkeypatch):
     # The op reads PYMSDA_VALIDATE through libc's getenv, which os.environ writes through
-    # (pymsda/_tables.py, _validating):
+    # (pymsda/_args.py, _validating):
     # setting, changing and removing it after import must all count.
-    from pymsda._tables import _validating
+    from pymsda._args import _validating
     monkeypatch.delenv("PYMSDA_VALIDATE", raising=False)
     assert not _validating(False)
     monkeypatch.setenv("PYMSDA_VALIDATE", "1")
