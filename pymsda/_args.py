@@ -3,17 +3,17 @@ tables prepared (one device, one index dtype, checked against value where their 
 read without a device synchronisation, and cached, so a model's calls with the same shapes cost
 a dictionary lookup), the per-level point counts as the ctypes table the library takes, the
 tensors made contiguous and aligned. The common call (tensors of one dtype in the plain layout,
-level tables seen before) is answered in one pass (_common); anything else goes on to the
-checks, which name what is wrong, and to the preparation of what is new (_prepare)."""
+level tables seen before) is answered in one pass (common); anything else goes on to the
+checks, which name what is wrong, and to the preparation of what is new (prepare)."""
 import ctypes
 
 import torch
 
 from . import _clib
-from ._checks import (_DTYPE_CODE, _INDEX_CODE, _MAX_ELEMENTS, _aligned_contiguous,
-                      _check_levels, _check_min_sizes, _check_pairs, _check_positive,
-                      _check_shapes_tensor, _check_sizes, _check_start_index_tensor,
-                      _check_tensors, _elements_fit, _point_counts)
+from ._checks import (DTYPE_CODE, INDEX_CODE, MAX_ELEMENTS, aligned_contiguous,
+                      check_levels, check_min_sizes, check_pairs, check_positive,
+                      check_shapes_tensor, check_sizes, check_start_index_tensor,
+                      check_tensors, elements_fit, point_counts)
 from ._clib import check as _check, lib, served_cuda as _served_cuda, \
     serves_cuda as _serves_cuda
 from ._clib import getenv as _getenv
@@ -42,7 +42,7 @@ class BoundedCache(dict):
 _level_points_cache = BoundedCache(256)  # (num_points_list as a tuple, L) -> (total, ctypes table)
 
 
-def _level_points(num_points_list, L):
+def level_points_table(num_points_list, L):
     """num_points_list checked against L, as (total points, ctypes int64 array, kept alive)."""
     try:
         key = (tuple(num_points_list), L)
@@ -50,7 +50,7 @@ def _level_points(num_points_list, L):
     except TypeError:
         key = hit = None
     if hit is None:
-        counts = _point_counts(num_points_list, L)
+        counts = point_counts(num_points_list, L)
         hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
         if key is not None:
             _level_points_cache.put(key, hit)
@@ -80,7 +80,7 @@ class _Levels:
     def __init__(self, shapes, starts, host, host_starts=None, total=None):
         self.shapes, self.starts, self.host = shapes, starts, host
         self.host_starts, self.total = host_starts, total
-        self.index_code = _INDEX_CODE[shapes.dtype]
+        self.index_code = INDEX_CODE[shapes.dtype]
         self.L = shapes.shape[0]
         self.pointers = None  # (shapes, starts) data pointers, read at the first library call
 
@@ -92,7 +92,7 @@ class _Levels:
         return self.pointers
 
 
-def _starts_of(pairs):
+def starts_of(pairs):
     starts, total = [], 0
     for h, w in pairs:
         starts.append(total)
@@ -109,7 +109,7 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
     key = (pairs, device, dtype)
     levels = _level_cache.get(key)
     if levels is None:
-        starts, total = _starts_of(pairs)
+        starts, total = starts_of(pairs)
         shapes = torch.tensor(pairs, dtype=dtype).reshape(len(pairs), 2)
         starts_tensor = torch.tensor(starts, dtype=dtype)
         if device.type != "cpu":
@@ -141,7 +141,7 @@ def _levels_from_list(spatial_shapes, device):
     except TypeError:  # not a sequence of sequences, or unhashable: let the check say why
         key = levels = None
     if levels is None:
-        levels = _levels_from_host(_check_pairs(spatial_shapes), device)
+        levels = _levels_from_host(check_pairs(spatial_shapes), device)
         if key is not None and not _tracing():
             _list_levels_cache.put(key, levels)
     return levels
@@ -151,14 +151,14 @@ def _host_pairs(spatial_shapes, device, validate=False):
     """A spatial_shapes tensor as a tuple of (H, W) int pairs, checked; None when it lives on
     the device that runs the op and reading it there would synchronise (unless validate asks
     for exactly that), or on meta."""
-    _check_shapes_tensor(spatial_shapes, device)
+    check_shapes_tensor(spatial_shapes, device)
     if spatial_shapes.device.type == "meta":
         return None
     if (spatial_shapes.device.type != "cpu" and device.type != "cpu"
             and not _validating(validate)):
         return None
     pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
-    _check_positive(pairs)
+    check_positive(pairs)
     return pairs
 
 
@@ -238,7 +238,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
     if level_start_index is not None:
         if not isinstance(level_start_index, torch.Tensor):
             level_start_index = torch.as_tensor(level_start_index)
-        _check_start_index_tensor(level_start_index, L, device)
+        check_start_index_tensor(level_start_index, L, device)
         # Read it where that costs no device synchronisation (or validate asks for one).
         if levels is not None and (
                 level_start_index.device.type == "cpu" or device.type == "cpu" or (
@@ -253,14 +253,14 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
 
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
-    shapes = _aligned_contiguous(spatial_shapes.to(device))
+    shapes = aligned_contiguous(spatial_shapes.to(device))
     if level_start_index is not None:
-        starts = _aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
+        starts = aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
     elif device.type == "cuda" and _serves_cuda(device.index) and not _tracing():
         # derived on the device by one small kernel (c/msda.h), afresh on every call, so that
         # a change of the shapes' numbers is followed
         starts = torch.empty(shapes.shape[0], dtype=shapes.dtype, device=device)
-        _check(lib.msda_level_starts(shapes.shape[0], S, _INDEX_CODE[shapes.dtype],
+        _check(lib.msda_level_starts(shapes.shape[0], S, INDEX_CODE[shapes.dtype],
                                      device.index, shapes.data_ptr(), starts.data_ptr(),
                                      _current_stream(device.index)))
     else:  # meta tensors, or a device the library does not serve
@@ -285,30 +285,30 @@ def shapes_tensor(spatial_shapes, device: torch.device):
 # ---------------------------------------------------------------------------------------------
 # the call
 
-def _prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+def prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
              validate=False, num_points_list=None):
-    """Checks every argument; returns the tensors in the form the C library takes (after _common
+    """Checks every argument; returns the tensors in the form the C library takes (after common
     found the call unusual, or for the traced ops' real implementations). validate:
     also read shape tables that live on the GPU and check them (a device synchronisation).
     With num_points_list, sampling_locations is (B, Q, H, sum(num_points_list), 2) and
     attention_weights (B, Q, H, sum(num_points_list)); the returned P is that sum and lp the
     ctypes table of counts (None without num_points_list)."""
     per_level = num_points_list is None
-    B, S, H, C, Q, P, L = _check_tensors(value, sampling_locations, attention_weights, per_level)
+    B, S, H, C, Q, P, L = check_tensors(value, sampling_locations, attention_weights, per_level)
     levels = _prepare_levels(spatial_shapes, level_start_index, S, value.device, validate)
     L_tables = levels.L
     lp = None
     if not per_level:
-        total, lp = _level_points(num_points_list, L_tables)
-        L = _check_levels(L_tables, L, P, num_points_list, sampling_locations, total)
+        total, lp = level_points_table(num_points_list, L_tables)
+        L = check_levels(L_tables, L, P, num_points_list, sampling_locations, total)
     elif L_tables != L:
-        _check_levels(L_tables, L, P, None, sampling_locations)  # raises
+        check_levels(L_tables, L, P, None, sampling_locations)  # raises
     if C < 1 or H < 1 or L < 1 or P < 1:
-        _check_min_sizes(H, C, L, P)  # raises
-    if not _elements_fit(B, S, H, C, L, Q, P):
-        _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
+        check_min_sizes(H, C, L, P)  # raises
+    if not elements_fit(B, S, H, C, L, Q, P):
+        check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
-    sampling_locations, attention_weights = _points(value.dtype, sampling_locations,
+    sampling_locations, attention_weights = points_as_read(value.dtype, sampling_locations,
                                                     attention_weights)
     return _contiguous(value, levels, sampling_locations, attention_weights,
                        (B, S, H, C, L, Q, P), lp)
@@ -317,7 +317,7 @@ def _prepare(value, spatial_shapes, level_start_index, sampling_locations, atten
 _F32, _HALF = torch.float32, (torch.float16, torch.bfloat16)
 
 
-def _points(dtype, loc, attn):
+def points_as_read(dtype, loc, attn):
     """The dtype rule (ops.ms_deform_attn): sampling_locations and attention_weights as the op
     reads them, in value's dtype `dtype`, or in float32 with a half value unless both are of
     its dtype. So autocast's float32 points are read as float32, a narrower point dtype is
@@ -328,10 +328,10 @@ def _points(dtype, loc, attn):
     return loc if loc.dtype is to else loc.to(to), attn if attn.dtype is to else attn.to(to)
 
 
-def _softmax_points(value, loc, attn):
+def softmax_points(value, loc, attn):
     """softmax=True: attention_weights (logits) softmaxed over each (query, head)'s points, to
     be passed to the plain op. The composition's backward is the faster (kernels/TUNING.md:
-    softmax=True). The softmax runs in the dtype the op reads the points in (_points), so
+    softmax=True). The softmax runs in the dtype the op reads the points in (points_as_read), so
     logits that are widened to float32 are widened first; it is torch's own softmax otherwise
     (under autocast, float32)."""
     x = attn.flatten(3) if attn.dim() == 5 else attn  # (B, Q, H, L * P) or (B, Q, H, N)
@@ -347,13 +347,13 @@ def _softmax_points(value, loc, attn):
     return x.view(attn.shape)
 
 
-def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
+def common(value, spatial_shapes, level_start_index, loc, attn, flags):
     """The common call (tensors of one dtype in the plain layout on a device the library serves,
-    level tables seen before) in one pass: the arguments of _op._run, or None when
-    anything differs from it (then _prepare checks everything and says what is wrong, or
+    level tables seen before) in one pass: the arguments of _op.run, or None when
+    anything differs from it (then prepare checks everything and says what is wrong, or
     prepares what is new)."""
     dtype = value.dtype
-    if loc.dtype is not dtype or attn.dtype is not dtype or dtype not in _DTYPE_CODE:
+    if loc.dtype is not dtype or attn.dtype is not dtype or dtype not in DTYPE_CODE:
         if not (loc.dtype is _F32 and attn.dtype is _F32 and dtype in _HALF):  # autocast's
             return None
     try:
@@ -377,12 +377,12 @@ def _common(value, spatial_shapes, level_start_index, loc, attn, flags):
         levels = _remembered_tensor_levels(spatial_shapes, level_start_index, device)
     if (levels is None or levels.L != L or (levels.total is not None and levels.total != S)
             or C < 1 or H < 1 or P < 1
-            or B * H * (S * C + Q * C + Q * L * P * 2) > _MAX_ELEMENTS  # (_elements_fit)
+            or B * H * (S * C + Q * C + Q * L * P * 2) > MAX_ELEMENTS  # (elements_fit)
             or not (device.index in _served_cuda if value.is_cuda else device.type == "cpu")):
         return None
     value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
     if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
-        return None  # misaligned (torch.frombuffer): _prepare copies
+        return None  # misaligned (torch.frombuffer): prepare copies
     return value, loc, attn, (levels, (B, S, H, C, L, Q, P), None, flags)
 
 
@@ -391,16 +391,16 @@ def _contiguous(value, levels, loc, attn, sizes, lp):
     # One alignment test for the three (the larger element size, the points'): a misaligned
     # one is rare (only torch.frombuffer makes one), so the common call reads each pointer once.
     if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
-        value, loc, attn = _aligned_contiguous(value), _aligned_contiguous(loc), \
-            _aligned_contiguous(attn)
+        value, loc, attn = aligned_contiguous(value), aligned_contiguous(loc), \
+            aligned_contiguous(attn)
     return value, levels, loc, attn, sizes, lp
 
 
 _SAMPLING_FLAGS = {"bilinear": 0, "nearest": _clib.FLAG_NEAREST}
-_deterministic_algorithms = torch.are_deterministic_algorithms_enabled
+deterministic_algorithms = torch.are_deterministic_algorithms_enabled
 
 
-def _flags(sampling, deterministic):
+def flags_of(sampling, deterministic):
     """The msda_flags (c/msda.h) of a call's options; ValueError naming a bad sampling."""
     try:
         flags = _SAMPLING_FLAGS[sampling]

@@ -1,9 +1,9 @@
 """The calls into the C library: the op's eager autograd node, and its registration with
 torch.library.
 
-_forward and _backward allocate the outputs with torch (so the caching allocator and CUDA graphs
+forward and backward allocate the outputs with torch (so the caching allocator and CUDA graphs
 serve them) and call libpymsda's entry points with the tensors' pointers and the current stream
-of their device, packed into one msda_args. _MSDA is the one autograd.Function; _run picks the
+of their device, packed into one msda_args. _MSDA is the one autograd.Function; run picks the
 cheapest way in.
 
 torch.library: the ops pymsda::ms_deform_attn_forward and pymsda::ms_deform_attn_backward,
@@ -19,10 +19,10 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _clib
-from ._args import _points, _prepare, _starts_of
+from ._args import points_as_read, prepare, starts_of
 from ._buffers import pool as _cpu_pool
-from ._checks import (_DTYPE_CODE, _check_float_tensor, _check_grad_output, _check_pairs,
-                      _check_shapes_only, _point_counts)
+from ._checks import (DTYPE_CODE, check_float_tensor, check_grad_output, check_pairs,
+                      check_shapes_only, point_counts)
 from ._clib import check as _check, lib, serves as _library_serves
 from ._torch_private import current_raw_stream as _current_stream, direct_apply, \
     functorch_active as _functorch_active
@@ -34,7 +34,7 @@ from .reference import ms_deform_attn_pytorch
 # msda_forward and msda_backward take one msda_args (c/msda.h), packed here with struct into a
 # fresh bytes object per call in about a fifth of the time ctypes takes to convert twenty
 # separate arguments. Each call's packer takes only the fields it sets; the rest are zero.
-_forward_c, _backward_c = lib.msda_forward, lib.msda_backward
+c_forward, c_backward = lib.msda_forward, lib.msda_backward
 _CALL = ("B", "S", "H", "C", "L", "Q", "P", "dtype", "index_dtype", "device", "num_threads",
          "flags", "level_points", "value", "spatial_shapes", "level_start_index",
          "sampling_locations", "attention_weights")
@@ -45,7 +45,7 @@ _pack_backward = _clib.args_packer(*_CALL, "grad_output", "grad_value", "grad_sa
 _pack_sizes = _clib.args_packer("B", "S", "H", "C", "L", "Q", "P", "dtype", "device", "flags")
 
 
-def _device_args(t):
+def device_args(t):
     """(device, stream, num_threads) for the C call: the CUDA ordinal of t and the current
     stream of that device (not of the current device), or -1, 0 and torch's CPU thread count."""
     if t.is_cuda:
@@ -54,19 +54,19 @@ def _device_args(t):
     return -1, 0, torch.get_num_threads()
 
 
-def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
+def forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
-    if loc.dtype is not value.dtype:  # float32 points, half value (_args._points)
+    if loc.dtype is not value.dtype:  # float32 points, half value (_args.points_as_read)
         flags |= _clib.FLAG_POINTS_F32
     out = value.new_empty((B, Q, H * C))
-    if value.is_cuda:  # _device_args, inline
+    if value.is_cuda:  # device_args, inline
         device = value.get_device()
         stream, threads = _current_stream(device), 0
     else:
         device, stream, threads = -1, 0, torch.get_num_threads()
     shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
-    status = _forward_c(_pack_forward(
-        B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
+    status = c_forward(_pack_forward(
+        B, S, H, C, L, Q, P, DTYPE_CODE[value.dtype], levels.index_code, device, threads,
         flags, 0 if lp is None else ctypes.addressof(lp), value.data_ptr(), shapes_ptr,
         starts_ptr, loc.data_ptr(), attn.data_ptr(), out.data_ptr(), stream))
     if status:
@@ -74,15 +74,15 @@ def _forward(value, levels, loc, attn, sizes, lp=None, flags=0):
     return out
 
 
-def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
+def backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
               lp=None, flags=0):
     B, S, H, C, L, Q, P = sizes
-    if loc.dtype is not value.dtype:  # float32 points, half value (_args._points)
+    if loc.dtype is not value.dtype:  # float32 points, half value (_args.points_as_read)
         flags |= _clib.FLAG_POINTS_F32
     grad_out = grad_out.contiguous()
     if grad_out.dtype != value.dtype:
         grad_out = grad_out.to(value.dtype)
-    device, stream, threads = _device_args(value)
+    device, stream, threads = device_args(value)
     # grad_value of a half type: on the CPU the library accumulates it in an f32 buffer, cast
     # once here; on CUDA it has value's dtype (c/msda.h: the library accumulates in f32 where
     # it must, in the workspace it asks for).
@@ -101,14 +101,14 @@ def _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, n
     if (need_value and device >= 0
             and (flags & _clib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
         workspace_bytes = lib.msda_backward_workspace_size(
-            _pack_sizes(B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], device, flags))
+            _pack_sizes(B, S, H, C, L, Q, P, DTYPE_CODE[value.dtype], device, flags))
         if workspace_bytes < 0:
             _check(_clib.ERR_INVALID_ARGUMENT)
         if workspace_bytes > 0:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=value.device)
     shapes_ptr, starts_ptr = levels.pointers or levels.read_pointers()
-    status = _backward_c(_pack_backward(
-        B, S, H, C, L, Q, P, _DTYPE_CODE[value.dtype], levels.index_code, device, threads,
+    status = c_backward(_pack_backward(
+        B, S, H, C, L, Q, P, DTYPE_CODE[value.dtype], levels.index_code, device, threads,
         flags, 0 if lp is None else ctypes.addressof(lp), value.data_ptr(), shapes_ptr,
         starts_ptr, loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr(),
         grad_value.data_ptr() if need_value else 0,
@@ -130,7 +130,7 @@ def _grads_of_node(ctx, grad_out):
     value, loc, attn = ctx.saved_tensors
     need_value, need_loc, need_attn = ctx.needs_input_grad[:3]
     levels, sizes, lp, flags = ctx.plan
-    grads = _backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
+    grads = backward(grad_out, value, levels, loc, attn, sizes, need_value, need_loc, need_attn,
                       lp, flags)
     return grads + (None,)
 
@@ -147,7 +147,7 @@ class _MSDA(torch.autograd.Function):
         ctx.save_for_backward(value, sampling_locations, attention_weights)
         ctx.plan = plan
         levels, sizes, lp, flags = plan
-        return _forward(value, levels, sampling_locations, attention_weights, sizes, lp, flags)
+        return forward(value, levels, sampling_locations, attention_weights, sizes, lp, flags)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -177,7 +177,7 @@ REQUIRE_KERNELS = "PYMSDA_REQUIRE_KERNELS"
 _slow_path_warned = False
 
 
-def _slow_path(device):
+def slow_path(device):
     """Called before the pure-PyTorch op serves a tensor on CUDA device `device`: the first time
     in the process a SlowPathWarning naming the cause and the fix; a RuntimeError instead, on
     every such call, where the environment sets PYMSDA_REQUIRE_KERNELS=1."""
@@ -204,13 +204,13 @@ def _slow_path(device):
     warnings.warn(text, SlowPathWarning, stacklevel=4)
 
 
-def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
+def run_reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     """The pure-PyTorch op, for a device the library does not serve (a GPU without the
     library's CUDA kernels: with a SlowPathWarning, MPS, ...); with float32 points and a half
-    value (the dtype rule, _args._points) it runs in float32 and rounds the output to value's
+    value (the dtype rule, _args.points_as_read) it runs in float32 and rounds the output to value's
     dtype."""
     if value.is_cuda:
-        _slow_path(value.device)
+        slow_path(value.device)
     out = ms_deform_attn_pytorch(
         value if value.dtype is loc.dtype else value.to(loc.dtype), spatial_shapes, loc, attn,
         num_points_list=num_points_list,
@@ -218,7 +218,7 @@ def _reference(value, spatial_shapes, loc, attn, num_points_list, flags):
     return out if out.dtype is value.dtype else out.to(value.dtype)
 
 
-class _MetaMSDA(torch.autograd.Function):
+class MetaMSDA(torch.autograd.Function):
     """The op on meta tensors outside tracing: outputs and gradients of the right shapes and
     dtypes, no numbers (there are none to read)."""
 
@@ -238,7 +238,7 @@ class _MetaMSDA(torch.autograd.Function):
 _is_grad_enabled = torch.is_grad_enabled
 
 
-def _run(value, loc, attn, plan):
+def run(value, loc, attn, plan):
     """The op on prepared tensors (plan = (levels, sizes, lp, flags)): through the autograd node
     when a gradient is wanted (its C++ apply directly where that is safe), else the forward
     alone."""
@@ -247,7 +247,7 @@ def _run(value, loc, attn, plan):
             return _apply_direct(value, loc, attn, plan)
         return _MSDA.apply(value, loc, attn, plan)
     levels, sizes, lp, flags = plan
-    return _forward(value, levels, loc, attn, sizes, lp, flags)
+    return forward(value, levels, loc, attn, sizes, lp, flags)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,10 +268,10 @@ def _forward_impl(value: torch.Tensor, spatial_shapes: torch.Tensor,
                   level_start_index: Optional[torch.Tensor], sampling_locations: torch.Tensor,
                   attention_weights: torch.Tensor, num_points_list: Optional[List[int]],
                   flags: int) -> torch.Tensor:
-    value, levels, loc, attn, sizes, lp = _prepare(
+    value, levels, loc, attn, sizes, lp = prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         num_points_list=num_points_list)
-    return _forward(value, levels, loc, attn, sizes, lp, flags)
+    return forward(value, levels, loc, attn, sizes, lp, flags)
 
 
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
@@ -286,7 +286,7 @@ def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
             "torch.onnx.export(exported_program.run_decompositions("
             "pymsda.export.decompositions()), ...); or export the model itself: "
             "torch.onnx.export(model, args, dynamo=True) records the decomposition")
-    B, S, H, C, L, Q, P = _check_shapes_only(value, spatial_shapes, level_start_index,
+    B, S, H, C, L, Q, P = check_shapes_only(value, spatial_shapes, level_start_index,
                                              sampling_locations, attention_weights,
                                              num_points_list)
     return value.new_empty((B, Q, H * C))
@@ -298,12 +298,12 @@ def _backward_impl(grad_output: torch.Tensor, value: torch.Tensor, spatial_shape
                    flags: int, need_value: bool, need_sampling_locations: bool,
                    need_attention_weights: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    v, levels, loc, attn, sizes, lp = _prepare(
+    v, levels, loc, attn, sizes, lp = prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         num_points_list=num_points_list)
     B, S, H, C, L, Q, P = sizes
-    _check_grad_output(grad_output, B, Q, H, C, v.device)
-    grads = _backward(grad_output, v, levels, loc, attn, sizes, need_value,
+    check_grad_output(grad_output, B, Q, H, C, v.device)
+    grads = backward(grad_output, v, levels, loc, attn, sizes, need_value,
                       need_sampling_locations, need_attention_weights, lp, flags)
     return tuple(torch.empty((0,), dtype=like.dtype, device=like.device) if grad is None
                  else grad.to(like.dtype)
@@ -313,10 +313,10 @@ def _backward_impl(grad_output: torch.Tensor, value: torch.Tensor, spatial_shape
 def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, num_points_list, flags, need_value,
                    need_sampling_locations, need_attention_weights):
-    B, S, H, C, L, Q, P = _check_shapes_only(value, spatial_shapes, level_start_index,
+    B, S, H, C, L, Q, P = check_shapes_only(value, spatial_shapes, level_start_index,
                                              sampling_locations, attention_weights,
                                              num_points_list)
-    _check_grad_output(grad_output, B, Q, H, C, value.device)
+    check_grad_output(grad_output, B, Q, H, C, value.device)
     return tuple(like.new_empty(like.shape if need else (0,)) for like, need in (
         (value, need_value), (sampling_locations, need_sampling_locations),
         (attention_weights, need_attention_weights)))
@@ -357,19 +357,19 @@ _forward_op, _backward_op = _register()
 HAS_TORCH_LIBRARY_OPS = _forward_op is not None
 
 
-def _ms_deform_attn_traced(value, spatial_shapes, level_start_index, sampling_locations,
+def traced(value, spatial_shapes, level_start_index, sampling_locations,
                            attention_weights, num_points_list, flags):
     """ms_deform_attn through pymsda::ms_deform_attn_forward. Written for torch.compile to
     trace: no data is read; host-side shape lists are checked here and become constant tensors
     of the graph; the op's fake implementation checks the rest, its real one checks again."""
     per_level = num_points_list is None
-    _check_float_tensor("value", value, 4)
-    _check_float_tensor("sampling_locations", sampling_locations, 6 if per_level else 5)
-    _check_float_tensor("attention_weights", attention_weights, 5 if per_level else 4)
+    check_float_tensor("value", value, 4)
+    check_float_tensor("sampling_locations", sampling_locations, 6 if per_level else 5)
+    check_float_tensor("attention_weights", attention_weights, 5 if per_level else 4)
     device = value.device
     if not isinstance(spatial_shapes, torch.Tensor):
-        pairs = _check_pairs(spatial_shapes)
-        starts, total = _starts_of(pairs)
+        pairs = check_pairs(spatial_shapes)
+        starts, total = starts_of(pairs)
         if total != value.shape[1]:
             raise ValueError(
                 f"spatial_shapes {list(pairs)} cover sum(H*W) = {total} positions but value "
@@ -386,11 +386,11 @@ def _ms_deform_attn_traced(value, spatial_shapes, level_start_index, sampling_lo
         level_start_index = torch.tensor([int(s) for s in level_start_index],
                                          dtype=spatial_shapes.dtype, device=device)
     if not per_level:
-        num_points_list = list(_point_counts(num_points_list, spatial_shapes.shape[0]))
-    sampling_locations, attention_weights = _points(value.dtype, sampling_locations,
+        num_points_list = list(point_counts(num_points_list, spatial_shapes.shape[0]))
+    sampling_locations, attention_weights = points_as_read(value.dtype, sampling_locations,
                                                     attention_weights)
     if not _library_serves(device):
-        return _reference(value, spatial_shapes, sampling_locations, attention_weights,
+        return run_reference(value, spatial_shapes, sampling_locations, attention_weights,
                           num_points_list, flags)
     return _forward_op(value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights, num_points_list, flags)

@@ -13,13 +13,13 @@ from typing import Any, Optional
 import torch
 
 from . import _clib
-from ._args import _common, _deterministic_algorithms, _flags, _prepare, _softmax_points
+from ._args import common, deterministic_algorithms, flags_of, prepare, softmax_points
 from ._clib import serves as _library_serves
-from ._op import HAS_TORCH_LIBRARY_OPS, _MetaMSDA, _reference, _run
+from ._op import HAS_TORCH_LIBRARY_OPS, MetaMSDA, run_reference, run
 from ._torch_private import dispatch_mode_depth as _dispatch_modes, \
-    is_compiling as _is_compiling, register_script_builtin, script_unsupported, \
-    traced as _traced
-from ._trace import _dynamo_traced, _jit_traced, _tracing_state
+    is_compiling as _is_compiling, jit_tracing_state, register_script_builtin, \
+    script_unsupported, traced as _traced
+from ._trace import dynamo_traced, jit_traced
 
 _Tensor = torch.Tensor
 
@@ -84,42 +84,42 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     """
     if softmax:  # torch's softmax, then the plain op (see softmax above)
         if not _composable(value, sampling_locations, attention_weights):
-            _prepare(value, spatial_shapes, level_start_index, sampling_locations,
+            prepare(value, spatial_shapes, level_start_index, sampling_locations,
                      attention_weights, validate, num_points_list)  # raises, naming the argument
-        attention_weights = _softmax_points(value, sampling_locations, attention_weights)
+        attention_weights = softmax_points(value, sampling_locations, attention_weights)
     if sampling == "bilinear" and deterministic is None:  # (at once)
-        flags = _clib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
+        flags = _clib.FLAG_DETERMINISTIC if deterministic_algorithms() else 0
     else:
-        flags = _flags(sampling, deterministic)
+        flags = flags_of(sampling, deterministic)
         if flags & _clib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
             # piecewise constant in the location: no gradient at all (None), on every path
             sampling_locations = sampling_locations.detach()
-    if _tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)
-        return _jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
+    if jit_tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)
+        return jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
                            attention_weights, num_points_list, flags)
     if HAS_TORCH_LIBRARY_OPS and (
             _is_compiling() or _dispatch_modes() or not (
                 type(value) is _Tensor and type(sampling_locations) is _Tensor
                 and type(attention_weights) is _Tensor)) and _traced(
                     value, sampling_locations, attention_weights):
-        return _dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
+        return dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
                               attention_weights, num_points_list, flags)
     if num_points_list is None and not validate:  # the common call, in one pass
-        common = _common(value, spatial_shapes, level_start_index, sampling_locations,
-                         attention_weights, flags)
-        if common is not None:
-            return _run(*common)
+        prepared = common(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights, flags)
+        if prepared is not None:
+            return run(*prepared)
     # anything else: checked one by one (named where wrong), new tables prepared
-    value, levels, loc, attn, sizes, lp = _prepare(
+    value, levels, loc, attn, sizes, lp = prepare(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         validate, num_points_list)
     if not _library_serves(value.device):
         device = value.device  # a device the library does not serve
         if device.type == "meta":
-            return _MetaMSDA.apply(value, loc, attn, sizes)
-        return _reference(value, levels.host if levels.host is not None else levels.shapes,
+            return MetaMSDA.apply(value, loc, attn, sizes)
+        return run_reference(value, levels.host if levels.host is not None else levels.shapes,
                           loc, attn, num_points_list, flags)
-    return _run(value, loc, attn, (levels, sizes, lp, flags))
+    return run(value, loc, attn, (levels, sizes, lp, flags))
 
 
 def _composable(value, loc, attn):

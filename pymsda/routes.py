@@ -33,8 +33,8 @@ import collections
 import torch
 
 from . import _clib
-from ._checks import _DTYPE_CODE
-from ._args import _flags, _level_points
+from ._checks import DTYPE_CODE
+from ._args import flags_of, level_points_table
 
 Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 
@@ -45,18 +45,18 @@ _GRAD_BITS = {"value": 1, "sampling_locations": 2, "attention_weights": 4}
 def _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
              points_dtype, device):
     """msda_args of the sizes, dtype and options a route query names (device: its index)."""
-    if dtype not in _DTYPE_CODE:
-        raise TypeError(f"dtype must be one of {list(_DTYPE_CODE)}, got {dtype!r}")
+    if dtype not in DTYPE_CODE:
+        raise TypeError(f"dtype must be one of {list(DTYPE_CODE)}, got {dtype!r}")
     level_points = None
     if num_points_list is not None:
-        total, level_points = _level_points(num_points_list, L)
+        total, level_points = level_points_table(num_points_list, L)
         if total != P:
             raise ValueError(f"num_points_list {list(num_points_list)} sums to {total}, P = {P}")
-    flags = _flags(sampling, deterministic)
+    flags = flags_of(sampling, deterministic)
     if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
                                                                            torch.bfloat16):
-        flags |= _clib.FLAG_POINTS_F32  # (_args._points: float32 points)
-    return _clib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
+        flags |= _clib.FLAG_POINTS_F32  # (_args.points_as_read: float32 points)
+    return _clib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=DTYPE_CODE[dtype],
                           device=device, flags=flags, level_points=level_points)
 
 
@@ -94,8 +94,8 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
     with it). aligned: value, grad_output and grad_value 16-byte aligned (torch's
     allocations are). The GPU: give multiprocessors and sm90_code (whether the code it runs is
     built for sm_90 or newer) to ask without one, or a CUDA device (default: the current one)."""
-    if dtype not in _DTYPE_CODE:
-        raise TypeError(f"dtype must be one of {list(_DTYPE_CODE)}, got {dtype!r}")
+    if dtype not in DTYPE_CODE:
+        raise TypeError(f"dtype must be one of {list(DTYPE_CODE)}, got {dtype!r}")
     unknown = set(grads) - set(_GRAD_BITS)
     if unknown:
         raise ValueError(f"grads must name gradients among {ALL_GRADS}, got {sorted(unknown)}")

@@ -40,7 +40,7 @@ def client(name):
 def library_calls(monkeypatch):
     """Counts of the calls into libpymsda's msda_forward and msda_backward."""
     counts = {"forward": 0, "backward": 0}
-    for name, key in (("_forward_c", "forward"), ("_backward_c", "backward")):
+    for name, key in (("c_forward", "forward"), ("c_backward", "backward")):
         entry = getattr(_op, name)
 
         def counted(*args, _entry=entry, _key=key):

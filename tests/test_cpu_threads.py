@@ -1,6 +1,6 @@
 """tests/test_cpu_threads.py: the CPU kernels under every threading situation they meet in PyTorch.
 
-The op runs on torch.get_num_threads() OpenMP threads (pymsda/_op.py, _device_args, passes
+The op runs on torch.get_num_threads() OpenMP threads (pymsda/_op.py, device_args, passes
 it) of the runtime torch already loaded: pymsda/_clib.py puts that runtime in the global scope
 before it loads the library (a wheel's library names no OpenMP library; a build folder's names
 libgomp.so.1, which resolves to the same copy), so torch and pymsda share one OpenMP runtime and
@@ -130,13 +130,13 @@ class _OpDataset(torch.utils.data.Dataset):
 
 def _run_kernels(inputs, grad_output):
     """msda_forward and msda_backward through the C ABI, with the thread count pymsda.ops
-    chooses (_op._device_args), and nothing else around them."""
+    chooses (_op.device_args), and nothing else around them."""
     value, loc, attn = (inputs[k].contiguous() for k in GRAD_NAMES)
     B, S, H, C = value.shape
     _, Q, _, L, P, _ = loc.shape
     shapes = inputs["spatial_shapes"].to(torch.int64).contiguous()
     starts = inputs["level_start_index"].to(torch.int64).contiguous()
-    device, stream, threads = _op._device_args(value)
+    device, stream, threads = _op.device_args(value)
     code = {torch.float32: _clib.DTYPE_F32, torch.float64: _clib.DTYPE_F64}[value.dtype]
     out = torch.empty(B, Q, H * C, dtype=value.dtype)
     grads = [torch.empty_like(value), torch.empty_like(loc), torch.empty_like(attn)]

@@ -35,13 +35,13 @@ def deterministic_algorithms():
 def backward_flags(monkeypatch):
     """The flags argument of every msda_backward call the op makes during the test."""
     seen = []
-    real = _op._backward_c
+    real = _op.c_backward
 
     def recording(args):
         seen.append(_clib.unpack_args(args)["flags"])
         return real(args)
 
-    monkeypatch.setattr(_op, "_backward_c", recording)
+    monkeypatch.setattr(_op, "c_backward", recording)
     return seen
 
 

@@ -31,8 +31,8 @@ def fresh(monkeypatch):
 
 def test_library_without_cuda_kernels_warns_once_naming_the_build(fresh, recwarn):
     fresh.setattr(_clib, "has_cuda_kernels", False)
-    _op._slow_path(torch.device("cuda", 0))
-    _op._slow_path(torch.device("cuda", 0))
+    _op.slow_path(torch.device("cuda", 0))
+    _op.slow_path(torch.device("cuda", 0))
     warned = [w for w in recwarn if issubclass(w.category, pymsda.SlowPathWarning)]
     assert len(warned) == 1
     text = str(warned[0].message)
@@ -45,7 +45,7 @@ def test_gpu_the_kernels_do_not_run_on_names_the_library_reason_and_its_arch(fre
     fresh.setattr(_clib, "unserved_cuda",
                   {3: "msda_cuda_runs_on: the kernels (sm_100 compute_100) cannot run"})
     fresh.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
-    _op._slow_path(torch.device("cuda", 3))
+    _op.slow_path(torch.device("cuda", 3))
     text = str(recwarn.pop(pymsda.SlowPathWarning).message)
     assert "cuda:3" in text and "sm_100 compute_100" in text
     assert "make CUDA_ARCHS=86" in text and "driver" in text
@@ -56,10 +56,10 @@ def test_require_kernels_raises_on_every_call(fresh):
     fresh.setenv(_op.REQUIRE_KERNELS, "1")
     for _ in range(2):
         with pytest.raises(RuntimeError, match="pure-PyTorch path"):
-            _op._slow_path(torch.device("cuda", 0))
+            _op.slow_path(torch.device("cuda", 0))
     fresh.setenv(_op.REQUIRE_KERNELS, "0")  # "0" (or empty): a warning again
     with pytest.warns(pymsda.SlowPathWarning):
-        _op._slow_path(torch.device("cuda", 0))
+        _op.slow_path(torch.device("cuda", 0))
 
 
 def test_cpu_calls_never_warn(recwarn, fresh):
@@ -118,7 +118,7 @@ def _build(tmp_path, name, *make_args):
     return str(build / "libpymsda.so")
 
 
-def _run(library, strict=False):
+def run(library, strict=False):
     env = {k: v for k, v in os.environ.items() if k != _op.REQUIRE_KERNELS}
     env["PYMSDA_LIBRARY"] = library
     if strict:
@@ -130,11 +130,11 @@ def _run(library, strict=False):
 
 
 def _check_slow_path(library, cause):
-    seen = _run(library)
+    seen = run(library)
     assert seen["WARNINGS"] == "1"  # two calls, one warning
     assert seen["SAME"] == "True True"  # the pure-PyTorch result, with gradients
     assert cause in seen["TEXT"] and "PYMSDA_REQUIRE_KERNELS=1" in seen["TEXT"]
-    raised = _run(library, strict=True)
+    raised = run(library, strict=True)
     assert "RAISED" in raised and cause in raised["RAISED"]
 
 

@@ -32,7 +32,7 @@ def _overhead_label(key):
 # output
 
 
-def _number(x, fmt=".1e"):
+def number_text(x, fmt=".1e"):
     return "n/a" if x is None else format(x, fmt)
 
 
@@ -76,14 +76,14 @@ def format_table(result, wide=False):
                 " ".join((row["shape"], row["dtype"], row["pass"])))
         all_half = [timed(row, "all_half") if row.get("all_half_ms") else "n/a"] if half else []
         if wide:
-            shown = [_number(errors[k]) for k in ERROR_KEYS] + (
-                [_number(errors.get("all_half_grad_value"))] if half else [])
+            shown = [number_text(errors[k]) for k in ERROR_KEYS] + (
+                [number_text(errors.get("all_half_grad_value"))] if half else [])
         else:
-            shown = [_number(errors["forward"]), _number(errors["reference_forward"]),
-                     _number(_worst(errors, "")), _number(_worst(errors, "reference_"))]
+            shown = [number_text(errors["forward"]), number_text(errors["reference_forward"]),
+                     number_text(_worst(errors, "")), number_text(_worst(errors, "reference_"))]
         lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
                       timed(row, "pymsda"), *all_half, reference,
-                      _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
+                      number_text(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
                       *(shown if first else [""] * len(shown))])
     widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]
     text = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w)
@@ -139,13 +139,13 @@ def format_markdown(result):
             if r is None:
                 cells += ["", "", ""]
                 continue
-            ref = _number(r["reference_ms"], ".3f") if r["reference_ms"] is not None else "n/a"
+            ref = number_text(r["reference_ms"], ".3f") if r["reference_ms"] is not None else "n/a"
             cells += [f"{r['pymsda_ms']:.3f}", ref,
-                      _number(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
+                      number_text(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
         errors = next(iter(rows.values()))["errors"]
-        cells += [_number(errors["forward"]), _number(errors["reference_forward"]),
-                  " / ".join(_number(errors[k]) for k in GRAD_KEYS),
-                  " / ".join(_number(errors["reference_" + k]) for k in GRAD_KEYS)]
+        cells += [number_text(errors["forward"]), number_text(errors["reference_forward"]),
+                  " / ".join(number_text(errors[k]) for k in GRAD_KEYS),
+                  " / ".join(number_text(errors["reference_" + k]) for k in GRAD_KEYS)]
         lines.append("| " + " | ".join(cells) + " |")
     overhead = result.get("overhead")
     if overhead:
