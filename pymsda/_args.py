@@ -10,14 +10,14 @@ import ctypes
 import torch
 
 from . import _clib
-from ._checks import (DTYPE_CODE, INDEX_CODE, MAX_ELEMENTS, aligned_contiguous,
-                      check_levels, check_min_sizes, check_pairs, check_positive,
-                      check_shapes_tensor, check_sizes, check_start_index_tensor,
-                      check_tensors, elements_fit, point_counts)
+from ._checks import (DTYPE_CODE, INDEX_CODE, MAX_ELEMENTS, aligned_contiguous, check_levels,
+                      check_min_sizes, check_pairs, check_positive, check_sampling,
+                      check_shapes_tensor, check_sizes, check_start_index_tensor, check_starts,
+                      check_tensors, check_total, elements_fit, point_counts)
 from ._clib import check as _check, lib, served_cuda as _served_cuda, \
     serves_cuda as _serves_cuda
 from ._clib import getenv as _getenv
-from ._torch_private import current_raw_stream as _current_stream, tracing as _tracing
+from ._torch_private import FAKE, current_raw_stream as _current_stream, recording
 
 _Tensor = torch.Tensor
 
@@ -92,12 +92,20 @@ class _Levels:
         return self.pointers
 
 
-def starts_of(pairs):
+def level_starts(spatial_shapes):
+    """level_start_index of spatial_shapes, by the rule of c/msda.h's msda_level_starts: start_l
+    = sum over j < l of H_j * W_j. (H, W) pairs give a list of ints; an (L, 2) integer tensor
+    gives an (L,) int64 tensor on its device, computed by torch operators that a tracer records
+    (a traced or exported graph derives the starts as it runs). The C function also caps the
+    starts of tables that overrun S (they read nothing there); tables checked here do not."""
+    if isinstance(spatial_shapes, torch.Tensor):
+        sizes = spatial_shapes[:, 0] * spatial_shapes[:, 1]
+        return torch.cumsum(sizes, 0) - sizes
     starts, total = [], 0
-    for h, w in pairs:
+    for h, w in spatial_shapes:
         starts.append(total)
         total += h * w
-    return starts, total
+    return starts
 
 
 # Level tables built from host-side shapes, per (pairs, device, dtype): a list of shapes is then
@@ -109,7 +117,8 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
     key = (pairs, device, dtype)
     levels = _level_cache.get(key)
     if levels is None:
-        starts, total = starts_of(pairs)
+        starts = level_starts(pairs)
+        total = starts[-1] + pairs[-1][0] * pairs[-1][1]
         shapes = torch.tensor(pairs, dtype=dtype).reshape(len(pairs), 2)
         starts_tensor = torch.tensor(starts, dtype=dtype)
         if device.type != "cpu":
@@ -123,7 +132,7 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
                     "spatial_shapes and level_start_index as tensors on the device")
             shapes, starts_tensor = shapes.to(device), starts_tensor.to(device)
         levels = _Levels(shapes, starts_tensor, pairs, starts, total)
-        if not _tracing():  # under a fake mode these tensors are fake: never keep them
+        if not recording() & FAKE:  # under a fake mode these tensors are fake: never keep them
             _level_cache.put(key, levels)
     return levels
 
@@ -142,7 +151,7 @@ def _levels_from_list(spatial_shapes, device):
         key = levels = None
     if levels is None:
         levels = _levels_from_host(check_pairs(spatial_shapes), device)
-        if key is not None and not _tracing():
+        if key is not None and not recording() & FAKE:
             _list_levels_cache.put(key, levels)
     return levels
 
@@ -217,7 +226,7 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
     # Not while validation asks to read device tables on every call, nor while tracing.
     if (type(spatial_shapes) is _Tensor
             and (level_start_index is None or type(level_start_index) is _Tensor)
-            and not _tracing() and (levels.host is not None or not _validating(validate))):
+            and not recording() & FAKE and (levels.host is not None or not _validating(validate))):
         _remember_tensor_levels(spatial_shapes, level_start_index, device, levels)
     return levels
 
@@ -230,9 +239,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
         levels = _levels_from_list(spatial_shapes, device)
         pairs = levels.host
     if levels is not None and levels.total != S:
-        raise ValueError(
-            f"spatial_shapes {list(pairs)} cover sum(H*W) = {levels.total} positions but value "
-            f"has S = {S} (value.shape[1])")
+        check_total(pairs, S)  # raises
     L = len(pairs) if pairs is not None else spatial_shapes.shape[0]
 
     if level_start_index is not None:
@@ -243,10 +250,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
         if levels is not None and (
                 level_start_index.device.type == "cpu" or device.type == "cpu" or (
                 level_start_index.device.type != "meta" and _validating(validate))):
-            given = level_start_index.tolist()
-            if given != levels.host_starts:
-                raise ValueError(f"level_start_index {given} does not match spatial_shapes "
-                                 f"{list(pairs)}: expected {levels.host_starts}")
+            check_starts(level_start_index.tolist(), pairs, levels.host_starts)
 
     if levels is not None:
         return levels
@@ -256,7 +260,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
     shapes = aligned_contiguous(spatial_shapes.to(device))
     if level_start_index is not None:
         starts = aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
-    elif device.type == "cuda" and _serves_cuda(device.index) and not _tracing():
+    elif device.type == "cuda" and _serves_cuda(device.index) and not recording() & FAKE:
         # derived on the device by one small kernel (c/msda.h), afresh on every call, so that
         # a change of the shapes' numbers is followed
         starts = torch.empty(shapes.shape[0], dtype=shapes.dtype, device=device)
@@ -264,8 +268,7 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
                                      device.index, shapes.data_ptr(), starts.data_ptr(),
                                      _current_stream(device.index)))
     else:  # meta tensors, or a device the library does not serve
-        sizes = shapes[:, 0] * shapes[:, 1]
-        starts = torch.cumsum(sizes, 0) - sizes
+        starts = level_starts(shapes)
     return _Levels(shapes, starts, None)
 
 
@@ -277,7 +280,7 @@ def shapes_tensor(spatial_shapes, device: torch.device):
     MSDeformAttn, which compiles only the first branch: spatial_shapes is a tensor there.)"""
     if isinstance(spatial_shapes, torch.Tensor):
         return spatial_shapes
-    if _tracing():
+    if recording() & FAKE:
         return torch.as_tensor(spatial_shapes, device=device)
     return _levels_from_list(spatial_shapes, torch.device(device)).shapes
 
@@ -286,12 +289,13 @@ def shapes_tensor(spatial_shapes, device: torch.device):
 # the call
 
 def prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-             validate=False, num_points_list=None):
-    """Checks every argument; returns the tensors in the form the C library takes (after common
-    found the call unusual, or for the traced ops' real implementations). validate:
-    also read shape tables that live on the GPU and check them (a device synchronisation).
-    With num_points_list, sampling_locations is (B, Q, H, sum(num_points_list), 2) and
-    attention_weights (B, Q, H, sum(num_points_list)); the returned P is that sum and lp the
+            validate=False, num_points_list=None, flags=0):
+    """Checks every argument (after common() found the call unusual, or for the torch.library
+    ops' implementations); returns (value, sampling_locations, attention_weights, call) as the
+    C library takes them, call = (levels, sizes, level_points, flags). validate: also read
+    shape tables that live on the GPU and check them (a device synchronisation). With
+    num_points_list, sampling_locations is (B, Q, H, sum(num_points_list), 2) and
+    attention_weights (B, Q, H, sum(num_points_list)); P is then that sum and level_points the
     ctypes table of counts (None without num_points_list)."""
     per_level = num_points_list is None
     B, S, H, C, Q, P, L = check_tensors(value, sampling_locations, attention_weights, per_level)
@@ -308,36 +312,52 @@ def prepare(value, spatial_shapes, level_start_index, sampling_locations, attent
     if not elements_fit(B, S, H, C, L, Q, P):
         check_sizes(B, S, H, C, L if per_level else 1, Q, P)
 
-    sampling_locations, attention_weights = points_as_read(value.dtype, sampling_locations,
-                                                    attention_weights)
-    return _contiguous(value, levels, sampling_locations, attention_weights,
-                       (B, S, H, C, L, Q, P), lp)
+    loc, attn = points_as_read(value.dtype, sampling_locations, attention_weights)
+    value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
+    # One alignment test for the three (the larger element size, the points'): a misaligned
+    # one is rare (only torch.frombuffer makes one), so the common call reads each pointer once.
+    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
+        value, loc, attn = aligned_contiguous(value), aligned_contiguous(loc), \
+            aligned_contiguous(attn)
+    if loc.dtype is not value.dtype:
+        flags |= _clib.FLAG_POINTS_F32
+    return value, loc, attn, (levels, (B, S, H, C, L, Q, P), lp, flags)
 
 
-_F32, _HALF = torch.float32, (torch.float16, torch.bfloat16)
+# ---------------------------------------------------------------------------------------------
+# the dtypes the points are read in
+
+_F32 = torch.float32
+_HALF = tuple(getattr(torch, name) for _, name, half in _clib.DTYPES if half)
+
+
+def points_dtype(dtype, loc_dtype, attn_dtype):
+    """The dtype rule (ms_deform_attn's docstring, docs/numerics.md): the dtype in which the op
+    reads sampling_locations and attention_weights with a value of dtype `dtype`. That dtype
+    when both have it, else float32 with a half value, else `dtype`. So autocast's float32
+    points are read as float32, a narrower point dtype is widened, and nothing is rounded to
+    half precision on the way in; a half value with float32 points is the C library's
+    MSDA_POINTS_F32."""
+    if loc_dtype is dtype and attn_dtype is dtype:
+        return dtype
+    return _F32 if dtype in _HALF else dtype
 
 
 def points_as_read(dtype, loc, attn):
-    """The dtype rule (ops.ms_deform_attn): sampling_locations and attention_weights as the op
-    reads them, in value's dtype `dtype`, or in float32 with a half value unless both are of
-    its dtype. So autocast's float32 points are read as float32, a narrower point dtype is
-    widened, and nothing is rounded to half precision on the way in."""
-    if loc.dtype is dtype and attn.dtype is dtype:
-        return loc, attn
-    to = _F32 if dtype in _HALF else dtype
+    """sampling_locations and attention_weights in the dtype the op reads them in (points_dtype)
+    with a value of dtype `dtype`."""
+    to = points_dtype(dtype, loc.dtype, attn.dtype)
     return loc if loc.dtype is to else loc.to(to), attn if attn.dtype is to else attn.to(to)
 
 
 def softmax_points(value, loc, attn):
     """softmax=True: attention_weights (logits) softmaxed over each (query, head)'s points, to
     be passed to the plain op. The composition's backward is the faster (kernels/TUNING.md:
-    softmax=True). The softmax runs in the dtype the op reads the points in (points_as_read), so
+    softmax=True). The softmax runs in the dtype the op reads the points in (points_dtype), so
     logits that are widened to float32 are widened first; it is torch's own softmax otherwise
     (under autocast, float32)."""
     x = attn.flatten(3) if attn.dim() == 5 else attn  # (B, Q, H, L * P) or (B, Q, H, N)
-    dtype = value.dtype
-    to = attn.dtype if loc.dtype is dtype and attn.dtype is dtype else (
-        _F32 if dtype in _HALF else dtype)
+    to = points_dtype(value.dtype, loc.dtype, attn.dtype)
     if to is not attn.dtype:
         x = x.softmax(-1, dtype=to)
     elif to in _HALF and x.device.type == "cpu":  # (torch 1.13 has no half softmax on the CPU)
@@ -347,15 +367,22 @@ def softmax_points(value, loc, attn):
     return x.view(attn.shape)
 
 
+# ---------------------------------------------------------------------------------------------
+# the common call, in one pass
+
 def common(value, spatial_shapes, level_start_index, loc, attn, flags):
-    """The common call (tensors of one dtype in the plain layout on a device the library serves,
-    level tables seen before) in one pass: the arguments of _op.run, or None when
-    anything differs from it (then prepare checks everything and says what is wrong, or
-    prepares what is new)."""
+    """The common call (tensors in the plain layout on a device the library serves, the points
+    in the dtype they are read in, level tables seen before) in one pass: prepare()'s answer,
+    or None when anything differs from it (then prepare() checks everything and says what is
+    wrong, or prepares what is new)."""
     dtype = value.dtype
     if loc.dtype is not dtype or attn.dtype is not dtype or dtype not in DTYPE_CODE:
-        if not (loc.dtype is _F32 and attn.dtype is _F32 and dtype in _HALF):  # autocast's
+        # still the common call with the points in the dtype they are read in: autocast's
+        # float32 points with a half value (MSDA_POINTS_F32)
+        if (dtype not in DTYPE_CODE or loc.dtype is not attn.dtype
+                or points_dtype(dtype, loc.dtype, attn.dtype) is not loc.dtype):
             return None
+        flags |= _clib.FLAG_POINTS_F32
     try:
         B, S, H, C = value.shape
         Bl, Q, Hl, L, P, two = loc.shape
@@ -386,15 +413,8 @@ def common(value, spatial_shapes, level_start_index, loc, attn, flags):
     return value, loc, attn, (levels, (B, S, H, C, L, Q, P), None, flags)
 
 
-def _contiguous(value, levels, loc, attn, sizes, lp):
-    value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
-    # One alignment test for the three (the larger element size, the points'): a misaligned
-    # one is rare (only torch.frombuffer makes one), so the common call reads each pointer once.
-    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
-        value, loc, attn = aligned_contiguous(value), aligned_contiguous(loc), \
-            aligned_contiguous(attn)
-    return value, levels, loc, attn, sizes, lp
-
+# ---------------------------------------------------------------------------------------------
+# the options
 
 _SAMPLING_FLAGS = {"bilinear": 0, "nearest": _clib.FLAG_NEAREST}
 deterministic_algorithms = torch.are_deterministic_algorithms_enabled
@@ -404,8 +424,10 @@ def flags_of(sampling, deterministic):
     """The msda_flags (c/msda.h) of a call's options; ValueError naming a bad sampling."""
     try:
         flags = _SAMPLING_FLAGS[sampling]
-    except (KeyError, TypeError):
-        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}") from None
+    except (KeyError, TypeError):  # (an unhashable sampling)
+        flags = None
+    if flags is None:
+        check_sampling(sampling)  # raises
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:

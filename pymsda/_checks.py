@@ -5,12 +5,9 @@ import torch
 
 from . import _clib
 
-DTYPE_CODE = {
-    torch.float32: _clib.DTYPE_F32,
-    torch.float64: _clib.DTYPE_F64,
-    torch.float16: _clib.DTYPE_F16,
-    torch.bfloat16: _clib.DTYPE_BF16,
-}
+# torch's dtypes by their msda_dtype codes (pymsda/_clib.py: DTYPES)
+DTYPE_CODE = {getattr(torch, name): code for code, name, _ in _clib.DTYPES}
+_DTYPE_NAMES = [name for _, name, _ in _clib.DTYPES]
 INDEX_CODE = {torch.int64: _clib.INDEX_I64, torch.int32: _clib.INDEX_I32}
 
 
@@ -35,8 +32,8 @@ def check_float_tensor(name, t, ndim):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in DTYPE_CODE:
-        raise TypeError(
-            f"{name} must be float32, float64, float16 or bfloat16, got {_describe(t)}")
+        raise TypeError(f"{name} must be {', '.join(_DTYPE_NAMES[:-1])} or {_DTYPE_NAMES[-1]}, "
+                        f"got {_describe(t)}")
     if t.dim() != ndim:
         layout = _LAYOUTS.get((name, ndim))
         raise ValueError(f"{name} must have {ndim} dimensions"
@@ -257,6 +254,30 @@ def check_positive(pairs):
         if h < 1 or w < 1:
             raise ValueError(
                 f"spatial_shapes: level {level} has size ({h}, {w}); sizes must be >= 1")
+
+
+def check_total(pairs, S):
+    """The positions the levels of spatial_shapes (checked pairs) cover against value's S."""
+    total = sum(h * w for h, w in pairs)
+    if total != S:
+        raise ValueError(f"spatial_shapes {list(pairs)} cover sum(H*W) = {total} positions but "
+                         f"value has S = {S} (value.shape[1])")
+
+
+def check_starts(given, pairs, expected):
+    """level_start_index read on the host (a list of ints) against the starts of spatial_shapes
+    (checked pairs)."""
+    if given != expected:
+        raise ValueError(f"level_start_index {given} does not match spatial_shapes "
+                         f"{list(pairs)}: expected {expected}")
+
+
+SAMPLINGS = ("bilinear", "nearest")
+
+
+def check_sampling(sampling):
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}")
 
 
 def check_grad_output(grad_output, B, Q, H, C, device):

@@ -22,7 +22,7 @@ any index is computed (so no NaN reaches an integer cast), and so is any locatio
 import torch
 import torch.nn.functional as F
 
-from ._args import starts_of
+from ._args import level_starts
 
 _FAR = -1.0  # a location outside every level: x = -W - 0.5, all four corners at x < 0
 
@@ -83,7 +83,7 @@ def _level_vectors(spatial_shapes, level_start_index, counts, dtype, device):
     constants for a list of shapes, gathered from the tables when they are tensors."""
     level_of = [level for level, n in enumerate(counts) for _ in range(n)]
     if not isinstance(spatial_shapes, torch.Tensor):
-        starts, _ = starts_of(spatial_shapes)
+        starts = level_starts(spatial_shapes)
         return (torch.tensor([float(spatial_shapes[l][1]) for l in level_of], dtype=dtype,
                              device=device),
                 torch.tensor([float(spatial_shapes[l][0]) for l in level_of], dtype=dtype,
@@ -91,8 +91,7 @@ def _level_vectors(spatial_shapes, level_start_index, counts, dtype, device):
                 torch.tensor([starts[l] for l in level_of], dtype=torch.int64, device=device))
     shapes = spatial_shapes.to(device=device, dtype=torch.int64)
     if level_start_index is None:
-        sizes = shapes[:, 0] * shapes[:, 1]
-        level_start_index = torch.cumsum(sizes, 0) - sizes
+        level_start_index = level_starts(shapes)
     # each point's level, built without torch.tensor (whose constant run_decompositions of an
     # ExportedProgram cannot functionalize: pymsda/export.py, exported_forward)
     which = torch.cat([torch.full((n,), level, dtype=torch.int64, device=device)

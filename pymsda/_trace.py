@@ -1,19 +1,17 @@
-"""Which path ms_deform_attn takes while a tracer records it (pymsda/export.py says what each
-tracer gets and why): torch.jit.trace and torch.onnx.export(dynamo=False) meet the TorchScript
-tracer; torch.export, torch.compile and torch.onnx.export(dynamo=True) trace through the
-registered op (pymsda/_op.py); ONNX export records the decomposition (pymsda/_decompose.py),
-TensorRT's plugin node or the node of pymsda's ONNX Runtime op (c/ort_op.c), as onnx_options says
-(this thread's options, kept here)."""
+"""What ms_deform_attn records under ONNX export (pymsda/ops.py's table says when it comes here;
+pymsda/export.py what each tracer gets and why): the decomposition into standard ONNX ops
+(pymsda/_decompose.py), TensorRT's plugin node or the node of pymsda's ONNX Runtime op
+(c/ort_op.c), as onnx_options says (this thread's options, kept here); and the decomposition that
+torch.jit.trace records where torch has no torch.library.custom_op."""
 import threading
 import warnings
 
 import torch
 
+from ._args import level_starts
 from ._checks import check_pairs, point_counts
-from ._decompose import decompose
 from ._clib import FLAG_NEAREST
-from ._op import HAS_TORCH_LIBRARY_OPS, traced
-from ._args import starts_of
+from ._decompose import decompose
 
 TENSORRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
 _TENSORRT_DOMAIN = "trt"
@@ -35,39 +33,11 @@ options = _Options()
 # ---------------------------------------------------------------------------------------------
 # where ops.ms_deform_attn comes in
 
-def _onnx_exporting():
-    return torch.onnx.is_in_onnx_export()
-
-
-def jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                attention_weights, num_points_list, flags):
-    """ms_deform_attn while the TorchScript tracer records (torch.jit.trace, and
-    torch.onnx.export(dynamo=False), which traces first)."""
-    if _onnx_exporting():
-        return _onnx(value, spatial_shapes, level_start_index, sampling_locations,
-                     attention_weights, num_points_list, flags, dynamo=False)
-    if HAS_TORCH_LIBRARY_OPS:
-        return traced(value, spatial_shapes, level_start_index,
-                                      sampling_locations, attention_weights, num_points_list,
-                                      flags)
-    return _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
-                       attention_weights, num_points_list, flags, "gather")
-
-
-def dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights, num_points_list, flags):
-    """ms_deform_attn while torch.export / dynamo traces: the decomposition (or the TensorRT
-    node) for torch.onnx.export(dynamo=True), which has no ONNX function for the registered
-    op; the registered op otherwise."""
-    if _onnx_exporting():
-        return _onnx(value, spatial_shapes, level_start_index, sampling_locations,
-                     attention_weights, num_points_list, flags, dynamo=True)
-    return traced(value, spatial_shapes, level_start_index, sampling_locations,
-                                  attention_weights, num_points_list, flags)
-
-
-def _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-          num_points_list, flags, dynamo):
+def onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+         num_points_list, flags, dynamo):
+    """ms_deform_attn while torch.onnx.export records: dynamo says which exporter (True:
+    torch.export's graph, whose registered op has no ONNX function; False: the TorchScript
+    tracer's)."""
     if options.onnxruntime:
         return _onnxruntime_node(value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, num_points_list, flags, dynamo)
@@ -78,16 +48,16 @@ def _onnx(value, spatial_shapes, level_start_index, sampling_locations, attentio
                                   attention_weights, num_points_list, flags, dynamo)
         warnings.warn(f"pymsda: TensorRT's {TENSORRT_PLUGIN} cannot express {reason}; this "
                       "call is exported as the decomposition into standard ONNX ops instead",
-                      stacklevel=4)
-    return _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
-                       attention_weights, num_points_list, flags, options.method)
+                      stacklevel=3)
+    return decomposed(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, num_points_list, flags, options.method)
 
 
 def exported_forward(value, spatial_shapes, level_start_index, sampling_locations,
-                      attention_weights, num_points_list, flags):
+                     attention_weights, num_points_list, flags):
     """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_op.py)."""
-    return _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 num_points_list, flags, dynamo=True)
+    return onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                num_points_list, flags, dynamo=True)
 
 
 def _tables(spatial_shapes, level_start_index):
@@ -102,8 +72,9 @@ def _tables(spatial_shapes, level_start_index):
     return spatial_shapes, level_start_index
 
 
-def _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
-                attention_weights, num_points_list, flags, method):
+def decomposed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+               num_points_list, flags, method="gather"):
+    """ms_deform_attn as the decomposition (pymsda/_decompose.py) in the form `method`."""
     spatial_shapes, level_start_index = _tables(spatial_shapes, level_start_index)
     counts = None
     if num_points_list is not None:
@@ -130,13 +101,11 @@ def _plugin_tables(spatial_shapes, level_start_index, device, dtype=torch.int32)
     """A node's spatial_shapes (L, 2) and level_start_index (L,) of dtype (the plugin's int32)."""
     if not isinstance(spatial_shapes, torch.Tensor):
         pairs = check_pairs(spatial_shapes)
-        starts, _ = starts_of(pairs)
         return (torch.tensor(pairs, dtype=dtype, device=device),
-                torch.tensor(starts, dtype=dtype, device=device))
+                torch.tensor(level_starts(pairs), dtype=dtype, device=device))
     shapes = spatial_shapes.to(device=device, dtype=dtype)
     if level_start_index is None:
-        sizes = shapes[:, 0] * shapes[:, 1]
-        level_start_index = torch.cumsum(sizes, 0) - sizes
+        level_start_index = level_starts(shapes)
     elif not isinstance(level_start_index, torch.Tensor):
         level_start_index = torch.tensor([int(s) for s in level_start_index])
     return shapes, level_start_index.to(device=device, dtype=dtype)

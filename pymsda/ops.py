@@ -1,12 +1,9 @@
-"""The MSDA operator: ms_deform_attn and Deformable DETR's MSDeformAttnFunction.
+"""The MSDA operator: ms_deform_attn, Deformable DETR's MSDeformAttnFunction, and the op
+pymsda::ms_deform_attn that torch.jit.script records.
 
-One eager path: the arguments are checked and prepared once (pymsda/_args.py: the common call in
-one pass, anything else by the checks that name what is wrong), then the op runs through the
-library directly, with one autograd.Function when a gradient is wanted (pymsda/_op.py).
-Where torch has torch.library.custom_op the op is also registered as
-pymsda::ms_deform_attn_forward / _backward (pymsda/_op.py); calls made while torch.compile,
-torch.export or a dispatch mode traces go through those, where a ctypes call could not be
-recorded. The dispatcher costs several microseconds a call, so eager calls do not use it.
+Every caller meets ms_deform_attn, whose body begins with the one table of which exit serves
+which caller, the dispatch right under it. Every exit that computes with pymsda's kernels ends in
+pymsda/_op.py's forward() and backward(), the only functions that call the C library.
 """
 from typing import Any, Optional
 
@@ -14,16 +11,16 @@ import torch
 
 from . import _clib
 from ._args import common, deterministic_algorithms, flags_of, prepare, softmax_points
-from ._clib import serves as _library_serves
-from ._op import HAS_TORCH_LIBRARY_OPS, MetaMSDA, run_reference, run
-from ._torch_private import dispatch_mode_depth as _dispatch_modes, \
-    is_compiling as _is_compiling, jit_tracing_state, register_script_builtin, \
-    script_unsupported, traced as _traced
-from ._trace import dynamo_traced, jit_traced
+from ._op import HAS_TORCH_LIBRARY_OPS, run, traced, unserved
+from ._torch_private import (JIT_TRACE, ONNX, recording, register_script_builtin,
+                             script_unsupported)
+from ._trace import decomposed, onnx
 
 _Tensor = torch.Tensor
+_EAGER_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
+
 
 def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, im2col_step=None, *, num_points_list=None,
@@ -85,7 +82,7 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     if softmax:  # torch's softmax, then the plain op (see softmax above)
         if not _composable(value, sampling_locations, attention_weights):
             prepare(value, spatial_shapes, level_start_index, sampling_locations,
-                     attention_weights, validate, num_points_list)  # raises, naming the argument
+                    attention_weights, validate, num_points_list)  # raises, naming the argument
         attention_weights = softmax_points(value, sampling_locations, attention_weights)
     if sampling == "bilinear" and deterministic is None:  # (at once)
         flags = _clib.FLAG_DETERMINISTIC if deterministic_algorithms() else 0
@@ -94,32 +91,56 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         if flags & _clib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
             # piecewise constant in the location: no gradient at all (None), on every path
             sampling_locations = sampling_locations.detach()
-    if jit_tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)
-        return jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                           attention_weights, num_points_list, flags)
-    if HAS_TORCH_LIBRARY_OPS and (
-            _is_compiling() or _dispatch_modes() or not (
-                type(value) is _Tensor and type(sampling_locations) is _Tensor
-                and type(attention_weights) is _Tensor)) and _traced(
-                    value, sampling_locations, attention_weights):
-        return dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                              attention_weights, num_points_list, flags)
-    if num_points_list is None and not validate:  # the common call, in one pass
+    # Which exit serves which caller: the first row that fits, asked in this order below.
+    # recording() is pymsda's one test of tracing and exporting (pymsda/_torch_private.py).
+    #
+    # | caller (told by)                              | exit
+    # |-----------------------------------------------|--------------------------------------------
+    # | torch.onnx.export, either exporter            | _trace.onnx: the decomposition into ONNX
+    # |   (recording() & ONNX)                        |   ops, or one node of TensorRT's plugin or
+    # |                                               |   of pymsda's ONNX Runtime op
+    # | torch.jit.trace (recording() & JIT_TRACE)     | _op.traced: the torch.library op (torch
+    # |                                               |   < 2.4: _trace.decomposed)
+    # | torch.compile, torch.export, dispatch modes   | _op.traced (torch >= 2.4)
+    # |   (recording() & FAKE), tensor subclasses     |
+    # | torch.jit.script (scripted code records       | this function, the op's kernel: the rows
+    # |   pymsda::ms_deform_attn, registered below)   |   here
+    # | eager, the common call (_args.common)         | _op.run: _op.forward; with a gradient
+    # |                                               |   wanted, through the autograd node
+    # | eager, anything else (_args.prepare: every    | _op.run
+    # |   check, each naming what is wrong)           |
+    # | a device the library does not serve           | _op.unserved: on meta, shapes alone; else
+    # |   (_clib.serves)                              |   the pure-PyTorch op (a SlowPathWarning
+    # |                                               |   on CUDA)
+    recorder = recording()
+    if recorder & ONNX:
+        return onnx(value, spatial_shapes, level_start_index, sampling_locations,
+                    attention_weights, num_points_list, flags, dynamo=not recorder & JIT_TRACE)
+    if recorder & JIT_TRACE and not HAS_TORCH_LIBRARY_OPS:
+        return decomposed(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights, num_points_list, flags)
+    if HAS_TORCH_LIBRARY_OPS and (recorder or not (
+            type(value) is _Tensor and type(sampling_locations) is _Tensor
+            and type(attention_weights) is _Tensor) and _subclassed(
+                value, sampling_locations, attention_weights)):
+        return traced(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, num_points_list, flags)
+    if num_points_list is None and not validate:
         prepared = common(value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights, flags)
         if prepared is not None:
             return run(*prepared)
-    # anything else: checked one by one (named where wrong), new tables prepared
-    value, levels, loc, attn, sizes, lp = prepare(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        validate, num_points_list)
-    if not _library_serves(value.device):
-        device = value.device  # a device the library does not serve
-        if device.type == "meta":
-            return MetaMSDA.apply(value, loc, attn, sizes)
-        return run_reference(value, levels.host if levels.host is not None else levels.shapes,
-                          loc, attn, num_points_list, flags)
-    return run(value, loc, attn, (levels, sizes, lp, flags))
+    value, loc, attn, call = prepare(value, spatial_shapes, level_start_index,
+                                     sampling_locations, attention_weights, validate,
+                                     num_points_list, flags)
+    if not _clib.serves(value.device):
+        return unserved(value, loc, attn, call, num_points_list)
+    return run(value, loc, attn, call)
+
+
+def _subclassed(*tensors):
+    """Whether a tensor is of a subclass that must meet the dispatcher (a Parameter need not)."""
+    return any(type(t) not in _EAGER_TYPES and isinstance(t, _Tensor) for t in tensors)
 
 
 def _composable(value, loc, attn):

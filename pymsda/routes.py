@@ -34,7 +34,7 @@ import torch
 
 from . import _clib
 from ._checks import DTYPE_CODE
-from ._args import flags_of, level_points_table
+from ._args import flags_of, level_points_table, points_dtype as _points_dtype
 
 Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 
@@ -53,9 +53,8 @@ def _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministi
         if total != P:
             raise ValueError(f"num_points_list {list(num_points_list)} sums to {total}, P = {P}")
     flags = flags_of(sampling, deterministic)
-    if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
-                                                                           torch.bfloat16):
-        flags |= _clib.FLAG_POINTS_F32  # (_args.points_as_read: float32 points)
+    if points_dtype is not None and _points_dtype(dtype, points_dtype, points_dtype) is not dtype:
+        flags |= _clib.FLAG_POINTS_F32  # float32 points with a half value
     return _clib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=DTYPE_CODE[dtype],
                           device=device, flags=flags, level_points=level_points)
 

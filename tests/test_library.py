@@ -350,38 +350,69 @@ def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, mon
     assert "Root-Is-Purelib: false" in tags and "Tag: py3-none-" in tags
 
 
-def test_args_struct_mirrors_the_header():
-    """pymsda/_clib.py's msda_args (ARGS) has the header's fields, in its order and of its types,
-    and the header's size; the hot paths' packers (the fields they set, zeros elsewhere) write
-    the bytes ARGS writes."""
-    from pymsda import _op, _clib
-    header = (REPO / "c" / "msda.h").read_text()
+def _letters(comment):
+    """The calls a field's comment in c/msda.h names: "F B W R. B batch, ..." -> "FBWR"."""
+    found = re.match(r"\s*((?:[FBWR]\s+)*[FBWR])\s*[.:,]", comment)
+    return "".join(found.group(1).split()) if found else None
+
+
+def _header_args_fields(header):
+    """(name, struct code, letters) of each msda_args field in c/msda.h, in order. A field's
+    letters are those of the comment on its line, else of the nearest comment above it."""
+    from pymsda import _clib
     body = re.search(r"typedef struct \{(.*?)\} msda_args;", header, re.S).group(1)
-    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    items = list(re.finditer(r"/\*(.*?)\*/|([^;/]+);", body, re.S))
+
+    def same_line(first, second):
+        return "\n" not in body[first.end():second.start()]
+
     codes = {"int64_t": "q", "int32_t": "i"}
-    fields = []
-    for declaration in body.split(";")[:-1]:
-        kind, names = re.match(r"\s*(?:const\s+)?(\w+)\s*(.*)", declaration, re.S).groups()
+    fields, above = [], None
+    for i, item in enumerate(items):
+        if item.group(1) is not None:  # a comment: on a field's line, or above the next ones
+            if not (i and items[i - 1].group(2) is not None and same_line(items[i - 1], item)):
+                above = _letters(item.group(1))
+            continue
+        after = items[i + 1] if i + 1 < len(items) else None
+        on_line = after is not None and after.group(1) is not None and same_line(item, after)
+        letters = _letters(after.group(1)) if on_line else above
+        kind, names = re.match(r"\s*(?:const\s+)?(\w+)\s*(.*)", item.group(2), re.S).groups()
         for name in names.split(","):
             pointer = name.strip().startswith("*")
-            fields.append((name.strip(" *\n"), _clib._PTR if pointer else codes[kind]))
-    assert tuple(fields) == _clib.ARGS_FIELDS
+            fields.append((name.strip(" *\n"), _clib.PTR if pointer else codes[kind], letters))
+    return tuple(fields)
+
+
+def test_args_struct_mirrors_the_header():
+    """pymsda/_clib.py's one list of msda_args (ARGS_FIELDS) has the header's fields, in its
+    order, of its types, each read by the calls the header's comments name (F B W R), and the
+    header's size; the packers derived from it for the calls (the fields each call reads, zeros
+    elsewhere) write the bytes ARGS writes."""
+    from pymsda import _clib
+    header = (REPO / "c" / "msda.h").read_text()
+    assert _header_args_fields(header) == _clib.ARGS_FIELDS
     size = int(re.search(r"no padding .*?: (\d+)\s*\*?\s*bytes", header, re.S).group(1))
     assert _clib.ARGS.size == size == 192
 
     values = {name: 1000 + i for i, name in enumerate(_clib.ARGS_NAMES)}
     values["reserved"] = 0
-    for packer, names in [
-            (_op._pack_forward, _op._CALL + ("output", "stream")),
-            (_op._pack_backward, _op._CALL + (
-                "grad_output", "grad_value", "grad_sampling_locations", "grad_attention_weights",
-                "workspace", "workspace_bytes", "stream")),
-            (_op._pack_sizes, ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device",
-                                     "flags"))]:
+    for call, packer in (("F", _clib.pack_forward), ("B", _clib.pack_backward),
+                         ("W", _clib.pack_workspace)):
+        names = _clib.read_by(call)
         assert packer(*(values[n] for n in names)) == _clib.pack_args(
             **{n: values[n] for n in names})
+    assert _clib.read_by("W") == ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device", "flags")
     with pytest.raises(ValueError, match="order"):
         _clib.args_packer("S", "B")
+
+
+def test_args_fields_are_checked_against_the_header_with_their_letters():
+    """The header parse above sees a field's letters change (so the check is not vacuous)."""
+    header = (REPO / "c" / "msda.h").read_text()
+    changed = header.replace("int32_t index_dtype; /* F B:", "int32_t index_dtype; /* F:")
+    assert changed != header
+    fields = dict((name, letters) for name, _, letters in _header_args_fields(changed))
+    assert fields["index_dtype"] == "F" and fields["num_threads"] == "FB"
 
 
 def test_null_args_and_a_nonzero_reserved_field_are_refused():
