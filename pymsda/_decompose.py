@@ -48,7 +48,7 @@ def _finite_locations(loc):
 
 
 def decompose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-              counts=None, nearest=False, softmax=False, method="gather"):
+              counts=None, nearest=False, method="gather"):
     """MSDA in torch operators, (B, Q, H*C) in value's dtype. spatial_shapes: a list of (H, W)
     ints (constants of the graph) or an (L, 2) integer tensor (read by the graph when it runs,
     so level sizes may change; "gather" only); level_start_index: an (L,) tensor or None
@@ -64,8 +64,6 @@ def decompose(value, spatial_shapes, level_start_index, sampling_locations, atte
     v = value.to(dtype)
     loc = sampling_locations.to(dtype)
     attn = attention_weights.to(dtype)
-    if softmax:
-        attn = torch.softmax(attn, -1)
     if nearest or method == "gather":
         out = _gather_form(v, spatial_shapes, level_start_index, loc, attn, counts, nearest)
     elif method == "grid_sample":

@@ -66,13 +66,13 @@ def _checked(route):
 
 
 def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
-                  softmax=False, aligned=True, points_dtype=None):
+                  aligned=True, points_dtype=None):
     """The kernel the CUDA forward runs (a name of _clib.FWD_ROUTE_KERNELS: 'none', 'generic',
     'fast', 'wide', 'direct') for these sizes (as in ms_deform_attn: value (B, S, H, C), L levels, Q
     queries, P points per level, or per-level counts in num_points_list with P their sum), dtype
     (value's) and options. points_dtype: that of sampling_locations and attention_weights
     (default: value's; float32 with a half value, autocast's call, takes the all-half call's
-    route). softmax: accepted; the route is the plain call's (the op composes torch's softmax
+    route). softmax=True has the plain call's route (ms_deform_attn composes torch's softmax
     with it). aligned: value and output 16-byte aligned (torch's allocations are). The choice
     depends on no GPU: any build answers."""
     args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, False, points_dtype,
@@ -82,14 +82,14 @@ def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling=
 
 
 def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
-                   softmax=False, deterministic=False, grads=ALL_GRADS, aligned=True,
+                   deterministic=False, grads=ALL_GRADS, aligned=True,
                    device=None, multiprocessors=None, sm90_code=None, points_dtype=None):
     """The Route the CUDA backward takes for these sizes (as in ms_deform_attn: value
     (B, S, H, C), L levels, Q queries, P points per level, or per-level counts in
     num_points_list with P their sum), dtype (value's), options and wanted gradients (names from
     ALL_GRADS). points_dtype: that of sampling_locations and attention_weights (default:
     value's; float32 with a half value is autocast's call, which takes the all-half call's
-    route). softmax: accepted; the route is the plain call's (the op composes torch's softmax
+    route). softmax=True has the plain call's route (ms_deform_attn composes torch's softmax
     with it). aligned: value, grad_output and grad_value 16-byte aligned (torch's
     allocations are). The GPU: give multiprocessors and sm90_code (whether the code it runs is
     built for sm_90 or newer) to ask without one, or a CUDA device (default: the current one)."""
@@ -110,7 +110,6 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
         index = torch.device(device if device is not None else "cuda").index
         index = torch.cuda.current_device() if index is None else index
         multiprocessors, sm90_code = 0, -1
-    # softmax=True composes torch's softmax with the plain op: the same route as without it
     args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
                     points_dtype, index)
     route = _checked(_clib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),

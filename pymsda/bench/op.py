@@ -62,8 +62,6 @@ def _pymsda_deterministic(value, spatial_shapes, sampling_locations, attention_w
                           deterministic=True)
 
 
-IMPLEMENTATIONS = {"pymsda": _pymsda, "reference": ms_deform_attn_pytorch}
-
 
 # ---------------------------------------------------------------------------------------------
 # precision
