@@ -235,7 +235,7 @@ def _command_output(argv, cwd=None):
 def _git_commit():
     """The short commit of the checkout this package was imported from, "-dirty" when tracked files
     differ from it; "n/a" for an installed package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     top = _command_output(["git", "rev-parse", "--show-toplevel"], root)
     if not top or os.path.realpath(top) != os.path.realpath(root):
         return "n/a"
