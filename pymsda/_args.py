@@ -10,13 +10,13 @@ import ctypes
 import torch
 
 from . import _clib
-from ._checks import (DTYPE_CODE, INDEX_CODE, MAX_ELEMENTS, aligned_contiguous, check_levels,
-                      check_min_sizes, check_pairs, check_positive, check_sampling,
-                      check_shapes_tensor, check_sizes, check_start_index_tensor, check_starts,
-                      check_tensors, check_total, elements_fit, point_counts)
-from ._clib import check as _check, lib, served_cuda as _served_cuda, \
+from ._checks import (DTYPE_CODE, HALF_DTYPES as _HALF, INDEX_CODE, MAX_ELEMENTS,
+                      aligned_contiguous, check_levels, check_min_sizes, check_pairs,
+                      check_positive, check_sampling, check_shapes_tensor, check_sizes,
+                      check_start_index_tensor, check_starts, check_tensors, check_total,
+                      elements_fit, point_counts)
+from ._clib import check as _check, getenv as _getenv, lib, served_cuda as _served_cuda, \
     serves_cuda as _serves_cuda
-from ._clib import getenv as _getenv
 from ._torch_private import FAKE, current_raw_stream as _current_stream, recording
 
 _Tensor = torch.Tensor
@@ -328,7 +328,6 @@ def prepare(value, spatial_shapes, level_start_index, sampling_locations, attent
 # the dtypes the points are read in
 
 _F32 = torch.float32
-_HALF = tuple(getattr(torch, name) for _, name, half in _clib.DTYPES if half)
 
 
 def points_dtype(dtype, loc_dtype, attn_dtype):
@@ -348,23 +347,6 @@ def points_as_read(dtype, loc, attn):
     with a value of dtype `dtype`."""
     to = points_dtype(dtype, loc.dtype, attn.dtype)
     return loc if loc.dtype is to else loc.to(to), attn if attn.dtype is to else attn.to(to)
-
-
-def softmax_points(value, loc, attn):
-    """softmax=True: attention_weights (logits) softmaxed over each (query, head)'s points, to
-    be passed to the plain op. The composition's backward is the faster (kernels/TUNING.md:
-    softmax=True). The softmax runs in the dtype the op reads the points in (points_dtype), so
-    logits that are widened to float32 are widened first; it is torch's own softmax otherwise
-    (under autocast, float32)."""
-    x = attn.flatten(3) if attn.dim() == 5 else attn  # (B, Q, H, L * P) or (B, Q, H, N)
-    to = points_dtype(value.dtype, loc.dtype, attn.dtype)
-    if to is not attn.dtype:
-        x = x.softmax(-1, dtype=to)
-    elif to in _HALF and x.device.type == "cpu":  # (torch 1.13 has no half softmax on the CPU)
-        x = x.softmax(-1, dtype=_F32).to(to)
-    else:
-        x = x.softmax(-1)
-    return x.view(attn.shape)
 
 
 # ---------------------------------------------------------------------------------------------

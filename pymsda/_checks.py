@@ -5,8 +5,9 @@ import torch
 
 from . import _clib
 
-# torch's dtypes by their msda_dtype codes (pymsda/_clib.py: DTYPES)
+# torch's dtypes by their msda_dtype codes, and the half types (pymsda/_clib.py: DTYPES)
 DTYPE_CODE = {getattr(torch, name): code for code, name, _ in _clib.DTYPES}
+HALF_DTYPES = tuple(getattr(torch, name) for _, name, half in _clib.DTYPES if half)
 _DTYPE_NAMES = [name for _, name, _ in _clib.DTYPES]
 INDEX_CODE = {torch.int64: _clib.INDEX_I64, torch.int32: _clib.INDEX_I32}
 

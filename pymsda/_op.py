@@ -32,8 +32,8 @@ import torch
 from . import _clib
 from ._args import level_starts, points_as_read, prepare
 from ._buffers import pool as _cpu_pool
-from ._checks import (DTYPE_CODE, check_float_tensor, check_grad_output, check_pairs,
-                      check_shapes_only, check_starts, check_total, point_counts)
+from ._checks import (DTYPE_CODE, HALF_DTYPES, check_float_tensor, check_grad_output,
+                      check_pairs, check_shapes_only, check_starts, check_total, point_counts)
 from ._clib import check as _check, lib, serves as _library_serves
 from ._torch_private import ONNX, current_raw_stream as _current_stream, direct_apply, \
     functorch_active as _functorch_active, recording
@@ -94,13 +94,13 @@ def backward(grad_out, value, loc, attn, call, need_value, need_loc, need_attn):
         grad_loc = torch.empty_like(loc) if need_loc else None
         grad_attn = torch.empty_like(attn) if need_attn else None
     else:
-        grad_value = (_cpu_empty(value.shape, value.dtype if value.dtype in _FULL_DTYPES
-                                 else torch.float32) if need_value else None)
+        grad_value = (_cpu_empty(value.shape, torch.float32 if value.dtype in HALF_DTYPES
+                                 else value.dtype) if need_value else None)
         grad_loc = _cpu_empty(loc.shape, loc.dtype) if need_loc else None
         grad_attn = _cpu_empty(attn.shape, attn.dtype) if need_attn else None
     workspace, workspace_bytes = None, 0
     if (need_value and device >= 0
-            and (flags & _clib.FLAG_DETERMINISTIC or value.dtype not in _FULL_DTYPES)):
+            and (flags & _clib.FLAG_DETERMINISTIC or value.dtype in HALF_DTYPES)):
         workspace_bytes = lib.msda_backward_workspace_size(
             _clib.pack_workspace(B, S, H, C, L, Q, P, DTYPE_CODE[value.dtype], device, flags))
         if workspace_bytes < 0:
@@ -123,7 +123,6 @@ def backward(grad_out, value, loc, attn, call, need_value, need_loc, need_attn):
     return grad_value, grad_loc, grad_attn
 
 
-_FULL_DTYPES = (torch.float32, torch.float64)
 _cpu_empty = _cpu_pool.empty
 
 

@@ -10,13 +10,14 @@ from typing import Any, Optional
 import torch
 
 from . import _clib
-from ._args import common, deterministic_algorithms, flags_of, prepare, softmax_points
+from ._args import common, deterministic_algorithms, flags_of, points_dtype, prepare
+from ._checks import HALF_DTYPES
 from ._op import HAS_TORCH_LIBRARY_OPS, run, traced, unserved
 from ._torch_private import (JIT_TRACE, ONNX, recording, register_script_builtin,
                              script_unsupported)
 from ._trace import decomposed, onnx
 
-_Tensor = torch.Tensor
+_Tensor, _F32 = torch.Tensor, torch.float32
 _EAGER_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
@@ -83,7 +84,7 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
         if not _composable(value, sampling_locations, attention_weights):
             prepare(value, spatial_shapes, level_start_index, sampling_locations,
                     attention_weights, validate, num_points_list)  # raises, naming the argument
-        attention_weights = softmax_points(value, sampling_locations, attention_weights)
+        attention_weights = _softmax_points(value, sampling_locations, attention_weights)
     if sampling == "bilinear" and deterministic is None:  # (at once)
         flags = _clib.FLAG_DETERMINISTIC if deterministic_algorithms() else 0
     else:
@@ -136,6 +137,23 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     if not _clib.serves(value.device):
         return unserved(value, loc, attn, call, num_points_list)
     return run(value, loc, attn, call)
+
+
+def _softmax_points(value, loc, attn):
+    """softmax=True: attention_weights (logits) softmaxed over each (query, head)'s points, to
+    be passed to the plain op. The composition's backward is the faster (kernels/TUNING.md:
+    softmax=True). The softmax runs in the dtype the op reads the points in
+    (_args.points_dtype), so logits that are widened to float32 are widened first; it is
+    torch's own softmax otherwise (under autocast, float32)."""
+    x = attn.flatten(3) if attn.dim() == 5 else attn  # (B, Q, H, L * P) or (B, Q, H, N)
+    to = points_dtype(value.dtype, loc.dtype, attn.dtype)
+    if to is not attn.dtype:
+        x = x.softmax(-1, dtype=to)
+    elif to in HALF_DTYPES and x.device.type == "cpu":  # (torch 1.13: no half softmax on the CPU)
+        x = x.softmax(-1, dtype=_F32).to(to)
+    else:
+        x = x.softmax(-1)
+    return x.view(attn.shape)
 
 
 def _subclassed(*tensors):

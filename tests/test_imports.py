@@ -63,8 +63,9 @@ def _top_level_imports(module, tree, modules):
     while statements:
         node = statements.pop()
         if isinstance(node, (ast.If, ast.Try)):
-            statements += node.body + node.orelse + getattr(node, "finalbody", []) + [
-                statement for handler in getattr(node, "handlers", []) for statement in handler.body]
+            statements += node.body + node.orelse + getattr(node, "finalbody", [])
+            for handler in getattr(node, "handlers", []):
+                statements += handler.body
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name in modules}
         elif isinstance(node, ast.ImportFrom):

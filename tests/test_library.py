@@ -415,6 +415,20 @@ def test_args_fields_are_checked_against_the_header_with_their_letters():
     assert fields["index_dtype"] == "F" and fields["num_threads"] == "FB"
 
 
+def test_dtypes_mirror_the_dtype_table():
+    """pymsda/_clib.py's DTYPES has c/dtypes.h's rows in their order: each row's msda_dtype code
+    (c/msda.h) and whether it is a half type; every torch dtype it names exists."""
+    from pymsda import _clib
+    codes = dict((name, int(code)) for name, code in re.findall(
+        r"(MSDA_\w+) = (\d+)", re.search(r"typedef enum \{(.*?)\} msda_dtype;",
+                                         (REPO / "c" / "msda.h").read_text(), re.S).group(1)))
+    rows = re.findall(r"#define MSDA_DTYPE_\d+\(X\) X\((MSDA_\w+),[^)]*, ([01])\)",
+                      (REPO / "c" / "dtypes.h").read_text())
+    assert [(codes[name], half == "1") for name, half in rows] == [
+        (code, half) for code, _, half in _clib.DTYPES]
+    assert all(isinstance(getattr(torch, name, None), torch.dtype) for _, name, _ in _clib.DTYPES)
+
+
 def test_null_args_and_a_nonzero_reserved_field_are_refused():
     """Every entry point that takes a msda_args refuses NULL (a status, or -1 from the
     queries) and a nonzero reserved field, naming itself and the cause."""
