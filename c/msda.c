@@ -210,7 +210,7 @@ static int check_alignment(const char *fn, const msda_problem *pr) {
     return MSDA_OK;
 }
 
-/* The layout c/msda.h promises and pymsda/_lib.py mirrors. */
+/* The layout c/msda.h promises and pymsda/_clib.py mirrors. */
 _Static_assert(sizeof(void *) == 8, "msda_args is laid out for 64-bit pointers");
 _Static_assert(offsetof(msda_args, reserved) == 76 && offsetof(msda_args, level_points) == 80 &&
                    offsetof(msda_args, workspace_bytes) == 176 && sizeof(msda_args) == 192,

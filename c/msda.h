@@ -1,6 +1,6 @@
 /* c/msda.h: the whole C contract of libpymsda (Multi-Scale Deformable Attention).
  *
- * This is the only header the Python side mirrors (pymsda/_lib.py). It includes no CUDA and no
+ * This is the only header the Python side mirrors (pymsda/_clib.py). It includes no CUDA and no
  * torch header: streams are `void *`, tensors are raw pointers to contiguous row-major memory.
  * A call's arguments travel in one msda_args (below), whose fields say what each one is.
  *
@@ -151,7 +151,7 @@ MSDA_API const char *msda_last_error(void);
  * or Q = S = 0, and with Q = 0 all but the two tables. A gradient is NULL when it is not wanted.
  * Layout: fixed-width fields in this order with no padding (`reserved` fills the one gap): 192
  * bytes, for targets with 64-bit pointers, the only ones the library is built for (c/msda.c
- * asserts it). pymsda/_lib.py mirrors it as one struct format. */
+ * asserts it). pymsda/_clib.py mirrors it as one struct format. */
 typedef struct {
     /* F B W R. B batch, S value length (sum over levels of H_l*W_l), H heads, C channels per
      * head, L levels, Q queries, P points per level (with level_points: points in all).

@@ -15,7 +15,7 @@ ImportError saying so.
 import importlib.util
 import sys
 
-from . import _lib
+from . import _clib
 
 __version__ = "0.1.0"
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction", "MSDeformAttn", "export", "reference",
@@ -27,12 +27,12 @@ def library_path():
     """Path of the loaded libpymsda.so: pymsda's kernels, and ONNX Runtime's op
     pymsda::MSDeformAttn for `onnxruntime.SessionOptions().register_custom_ops_library(path)`.
     Needs no torch."""
-    return _lib.path
+    return _clib.path
 
 
 def cuda_archs():
     """GPU architectures embedded in the library, e.g. ['sm_75', ..., 'compute_121']."""
-    return _lib.lib.msda_cuda_archs().decode().split()
+    return _clib.lib.msda_cuda_archs().decode().split()
 
 
 def _torch_api():
@@ -42,14 +42,13 @@ def _torch_api():
 
     from . import _buffers, export, reference, routes
     from .modules import MSDeformAttn
-    from ._autograd import SlowPathWarning
-    from .ops import MSDeformAttnFunction, ms_deform_attn
-    from . import _script  # registers the op that torch.jit.script records
+    from ._op import SlowPathWarning
+    from .ops import MSDeformAttnFunction, ms_deform_attn  # (registers the op TorchScript records)
 
     def has_cuda():
         """True when the library has CUDA kernels, torch sees a GPU and so does the library."""
-        return (bool(_lib.lib.msda_has_cuda()) and torch.cuda.is_available()
-                and _lib.lib.msda_cuda_device_count() > 0)
+        return (bool(_clib.lib.msda_has_cuda()) and torch.cuda.is_available()
+                and _clib.lib.msda_cuda_device_count() > 0)
 
     def empty_cpu_cache():
         """Gives back the CPU gradient buffers pymsda keeps for reuse between backward calls (at

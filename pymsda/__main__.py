@@ -19,7 +19,7 @@ import platform
 import re
 import sys
 
-from . import _lib, cuda_archs, library_path
+from . import _clib, cuda_archs, library_path
 
 # torch, the op and the reference are imported by the commands that use them, not here:
 # `python -m pymsda --help` needs none of them.
@@ -97,7 +97,7 @@ def gpu_coverage():
     if not torch.cuda.is_available():
         return rows
     archs = cuda_archs()
-    built = bool(_lib.lib.msda_has_cuda())
+    built = bool(_clib.lib.msda_has_cuda())
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
         name = torch.cuda.get_device_name(i)
@@ -120,9 +120,9 @@ def where():
     package = os.path.dirname(os.path.abspath(__file__))
     checkout = os.path.dirname(package)
     loaded = os.path.realpath(library_path())
-    origin = next((o for o, p in _lib.candidate_paths() if os.path.realpath(p) == loaded), None)
+    origin = next((o for o, p in _clib.candidate_paths() if os.path.realpath(p) == loaded), None)
     lines = [f"pymsda package: {package}",
-             f"pymsda library: {library_path()} (ABI {_lib.lib.msda_abi_version()}): "
+             f"pymsda library: {library_path()} (ABI {_clib.lib.msda_abi_version()}): "
              f"{_WHY.get(origin, 'loaded')}"]
     if os.path.isfile(os.path.join(checkout, "c", "msda.h")):
         lines.append("                (a source checkout: Python imports the pymsda of the current "
@@ -133,7 +133,7 @@ def where():
 
 def info():
     import torch
-    lib = _lib.lib
+    lib = _clib.lib
     for line in where():
         print(line)
     if lib.msda_has_cuda():
@@ -151,7 +151,7 @@ def info():
     print(f"torch:          {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     print(f"Python:         {platform.python_version()} ({sys.executable})")
     print(f"CPU threads:    {torch.get_num_threads()} (OpenMP runtime: "
-          f"{_lib.lib.msda_openmp_runtime().decode() or 'none found, one thread'})")
+          f"{_clib.lib.msda_openmp_runtime().decode() or 'none found, one thread'})")
     coverage = gpu_coverage()
     for _, _, line in coverage:
         print(line)
@@ -203,8 +203,8 @@ def main(argv=None):
                         help="check (the default), info or bench, as above")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("torch") is None:  # a deployment machine: ONNX Runtime, no torch
-        print(f"pymsda library: {_lib.path} (ABI {_lib.lib.msda_abi_version()})\n"
-              f"OpenMP runtime: {_lib.lib.msda_openmp_runtime().decode() or 'none (one thread)'}\n"
+        print(f"pymsda library: {_clib.path} (ABI {_clib.lib.msda_abi_version()})\n"
+              f"OpenMP runtime: {_clib.lib.msda_openmp_runtime().decode() or 'none (one thread)'}\n"
               "torch:          not installed: the self-check needs it (pip install torch); "
               "without it the library serves ONNX Runtime (pymsda.library_path(), "
               "docs/export.md)")

@@ -3,15 +3,13 @@ and what was given. The fast checks answer the common call in one pass and fall 
 named ones, which say what is wrong."""
 import torch
 
-from . import _lib
+from . import _clib
 
-_DTYPE_CODE = {
-    torch.float32: _lib.DTYPE_F32,
-    torch.float64: _lib.DTYPE_F64,
-    torch.float16: _lib.DTYPE_F16,
-    torch.bfloat16: _lib.DTYPE_BF16,
-}
-_INDEX_CODE = {torch.int64: _lib.INDEX_I64, torch.int32: _lib.INDEX_I32}
+# torch's dtypes by their msda_dtype codes, and the half types (pymsda/_clib.py: DTYPES)
+DTYPE_CODE = {getattr(torch, name): code for code, name, _ in _clib.DTYPES}
+HALF_DTYPES = tuple(getattr(torch, name) for _, name, half in _clib.DTYPES if half)
+_DTYPE_NAMES = [name for _, name, _ in _clib.DTYPES]
+INDEX_CODE = {torch.int64: _clib.INDEX_I64, torch.int32: _clib.INDEX_I32}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,12 +29,12 @@ _LAYOUTS = {("value", 4): "(B, S, H, C)",
             ("attention_weights", 4): "(B, Q, H, N) with num_points_list"}
 
 
-def _check_float_tensor(name, t, ndim):
+def check_float_tensor(name, t, ndim):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPE_CODE:
-        raise TypeError(
-            f"{name} must be float32, float64, float16 or bfloat16, got {_describe(t)}")
+    if t.dtype not in DTYPE_CODE:
+        raise TypeError(f"{name} must be {', '.join(_DTYPE_NAMES[:-1])} or {_DTYPE_NAMES[-1]}, "
+                        f"got {_describe(t)}")
     if t.dim() != ndim:
         layout = _LAYOUTS.get((name, ndim))
         raise ValueError(f"{name} must have {ndim} dimensions"
@@ -53,31 +51,31 @@ def _check_index_device(name, t, device):
 
 # The C library counts elements and bytes in int64 (msda_forward's size check): a tensor whose
 # byte count at 8 bytes an element passes 2^63 cannot be indexed.
-_MAX_ELEMENTS = (2 ** 63 - 1) // 8
+MAX_ELEMENTS = (2 ** 63 - 1) // 8
 
 
-def _elements_fit(B, S, H, C, L, Q, P):
-    """Whether value, sampling_locations and the output together stay within _MAX_ELEMENTS (one
+def elements_fit(B, S, H, C, L, Q, P):
+    """Whether value, sampling_locations and the output together stay within MAX_ELEMENTS (one
     product: true of every real call)."""
-    return B * H * (S * C + Q * C + Q * L * P * 2) <= _MAX_ELEMENTS
+    return B * H * (S * C + Q * C + Q * L * P * 2) <= MAX_ELEMENTS
 
 
-def _check_sizes(B, S, H, C, L, Q, P):
+def check_sizes(B, S, H, C, L, Q, P):
     """Refuses sizes the kernels cannot index before anything tries to copy or allocate them
     (an expanded view of such a size costs no memory, its contiguous copy would)."""
-    if _elements_fit(B, S, H, C, L, Q, P):
+    if elements_fit(B, S, H, C, L, Q, P):
         return
     for what, count in (("value (B, S, H, C)", B * S * H * C),
                         ("sampling_locations (B, Q, H, L, P, 2)", B * Q * H * L * P * 2),
                         ("the output (B, Q, H*C) of value and sampling_locations",
                          B * Q * H * C)):
-        if count > _MAX_ELEMENTS:
-            raise ValueError(f"{what} has {count} elements, more than the {_MAX_ELEMENTS} "
+        if count > MAX_ELEMENTS:
+            raise ValueError(f"{what} has {count} elements, more than the {MAX_ELEMENTS} "
                              f"pymsda can index (64-bit byte offsets): "
                              f"B={B} S={S} H={H} C={C} L={L} Q={Q} P={P}")
 
 
-def _aligned_contiguous(t):
+def aligned_contiguous(t):
     """t contiguous and aligned to its element size (the C library refuses a misaligned
     pointer; torch.frombuffer can make one)."""
     t = t.contiguous()
@@ -86,16 +84,16 @@ def _aligned_contiguous(t):
     return t
 
 
-def _check_tensors(value, sampling_locations, attention_weights, per_level):
+def check_tensors(value, sampling_locations, attention_weights, per_level):
     """Types, ranks, devices and the sizes value, sampling_locations and attention_weights share.
     Returns (B, S, H, C, Q, P, L); L is sampling_locations' level count, None without per_level
     (num_points_list), where P is then the number of points of all levels."""
     # One pass for the common call (a few hundred nanoseconds); anything unexpected goes to the
     # checks below, which name whatever is wrong.
     try:
-        if (isinstance(value, torch.Tensor) and value.dtype in _DTYPE_CODE
-                and sampling_locations.dtype in _DTYPE_CODE
-                and attention_weights.dtype in _DTYPE_CODE):
+        if (isinstance(value, torch.Tensor) and value.dtype in DTYPE_CODE
+                and sampling_locations.dtype in DTYPE_CODE
+                and attention_weights.dtype in DTYPE_CODE):
             B, S, H, C = value.shape
             if per_level:
                 Bl, Q, Hl, L, P, two = sampling_locations.shape
@@ -114,12 +112,12 @@ def _check_tensors(value, sampling_locations, attention_weights, per_level):
 
 
 def _check_tensors_named(value, sampling_locations, attention_weights, per_level):
-    """_check_tensors' checks one by one: raises, naming the argument, for the first one that
-    fails; returns as _check_tensors when none does."""
+    """check_tensors' checks one by one: raises, naming the argument, for the first one that
+    fails; returns as check_tensors when none does."""
     loc_ndim = 6 if per_level else 5
-    _check_float_tensor("value", value, 4)
-    _check_float_tensor("sampling_locations", sampling_locations, loc_ndim)
-    _check_float_tensor("attention_weights", attention_weights, loc_ndim - 1)
+    check_float_tensor("value", value, 4)
+    check_float_tensor("sampling_locations", sampling_locations, loc_ndim)
+    check_float_tensor("attention_weights", attention_weights, loc_ndim - 1)
     B, S, H, C = value.shape
     loc_shape = sampling_locations.shape
     if per_level:
@@ -154,7 +152,7 @@ def _loc_layout(per_level):
     return "(B, Q, H, L, P, 2)" if per_level else "(B, Q, H, sum(num_points_list), 2)"
 
 
-def _point_counts(num_points_list, L):
+def point_counts(num_points_list, L):
     """num_points_list checked against L levels, as a tuple of ints."""
     try:
         counts = tuple(int(n) for n in num_points_list)
@@ -173,7 +171,7 @@ def _point_counts(num_points_list, L):
     return counts
 
 
-def _check_levels(L_tables, L, P, num_points_list, sampling_locations, counts_total=None):
+def check_levels(L_tables, L, P, num_points_list, sampling_locations, counts_total=None):
     """The level count of the shape tables against sampling_locations (or num_points_list,
     whose total, computed by the caller, is counts_total); returns L."""
     if num_points_list is None:
@@ -183,7 +181,7 @@ def _check_levels(L_tables, L, P, num_points_list, sampling_locations, counts_to
     else:
         L = L_tables
         if counts_total is None:
-            counts_total = sum(_point_counts(num_points_list, L))
+            counts_total = sum(point_counts(num_points_list, L))
         if counts_total != P:
             raise ValueError(f"sampling_locations has {P} points per query and head but "
                              f"num_points_list {list(num_points_list)} sums to {counts_total}: "
@@ -191,14 +189,14 @@ def _check_levels(L_tables, L, P, num_points_list, sampling_locations, counts_to
     return L
 
 
-def _check_min_sizes(H, C, L, P):
+def check_min_sizes(H, C, L, P):
     if C < 1 or H < 1 or L < 1 or P < 1:
         raise ValueError(f"H, C, L and P must be >= 1, got H={H} C={C} (value) and L={L} P={P} "
                          "(sampling_locations)")
 
 
-def _check_shapes_tensor(spatial_shapes, device):
-    if spatial_shapes.dtype not in _INDEX_CODE:
+def check_shapes_tensor(spatial_shapes, device):
+    if spatial_shapes.dtype not in INDEX_CODE:
         raise TypeError(
             f"spatial_shapes must be an int64 or int32 tensor, got {_describe(spatial_shapes)}")
     if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] < 1:
@@ -207,8 +205,8 @@ def _check_shapes_tensor(spatial_shapes, device):
     _check_index_device("spatial_shapes", spatial_shapes, device)
 
 
-def _check_start_index_tensor(level_start_index, L, device):
-    if level_start_index.dtype not in _INDEX_CODE:
+def check_start_index_tensor(level_start_index, L, device):
+    if level_start_index.dtype not in INDEX_CODE:
         raise TypeError("level_start_index must be an int64 or int32 tensor, got "
                         f"{_describe(level_start_index)}")
     if level_start_index.dim() != 1 or level_start_index.shape[0] != L:
@@ -217,23 +215,23 @@ def _check_start_index_tensor(level_start_index, L, device):
     _check_index_device("level_start_index", level_start_index, device)
 
 
-def _check_shapes_only(value, spatial_shapes, level_start_index, sampling_locations,
+def check_shapes_only(value, spatial_shapes, level_start_index, sampling_locations,
                        attention_weights, num_points_list):
     """Every check that needs no numbers (the fake implementations: shapes may be symbolic and
     the shape tables hold no data). Returns (B, S, H, C, L, Q, P)."""
     per_level = num_points_list is None
-    B, S, H, C, Q, P, L = _check_tensors(value, sampling_locations, attention_weights, per_level)
-    _check_shapes_tensor(spatial_shapes, value.device)
+    B, S, H, C, Q, P, L = check_tensors(value, sampling_locations, attention_weights, per_level)
+    check_shapes_tensor(spatial_shapes, value.device)
     L_tables = spatial_shapes.shape[0]
     if level_start_index is not None:
-        _check_start_index_tensor(level_start_index, L_tables, value.device)
-    L = _check_levels(L_tables, L, P, num_points_list, sampling_locations)
-    _check_min_sizes(H, C, L, P)
-    _check_sizes(B, S, H, C, L if per_level else 1, Q, P)
+        check_start_index_tensor(level_start_index, L_tables, value.device)
+    L = check_levels(L_tables, L, P, num_points_list, sampling_locations)
+    check_min_sizes(H, C, L, P)
+    check_sizes(B, S, H, C, L if per_level else 1, Q, P)
     return B, S, H, C, L, Q, P
 
 
-def _check_pairs(spatial_shapes):
+def check_pairs(spatial_shapes):
     """A list of (H, W) pairs as a tuple of int pairs, each side >= 1, or an exception naming
     it."""
     try:
@@ -248,18 +246,42 @@ def _check_pairs(spatial_shapes):
         raise TypeError(f"spatial_shapes must hold integers, got {spatial_shapes!r}")
     if len(pairs) < 1:
         raise ValueError("spatial_shapes must name at least one level, got an empty list")
-    _check_positive(pairs)
+    check_positive(pairs)
     return pairs
 
 
-def _check_positive(pairs):
+def check_positive(pairs):
     for level, (h, w) in enumerate(pairs):
         if h < 1 or w < 1:
             raise ValueError(
                 f"spatial_shapes: level {level} has size ({h}, {w}); sizes must be >= 1")
 
 
-def _check_grad_output(grad_output, B, Q, H, C, device):
+def check_total(pairs, S):
+    """The positions the levels of spatial_shapes (checked pairs) cover against value's S."""
+    total = sum(h * w for h, w in pairs)
+    if total != S:
+        raise ValueError(f"spatial_shapes {list(pairs)} cover sum(H*W) = {total} positions but "
+                         f"value has S = {S} (value.shape[1])")
+
+
+def check_starts(given, pairs, expected):
+    """level_start_index read on the host (a list of ints) against the starts of spatial_shapes
+    (checked pairs)."""
+    if given != expected:
+        raise ValueError(f"level_start_index {given} does not match spatial_shapes "
+                         f"{list(pairs)}: expected {expected}")
+
+
+SAMPLINGS = ("bilinear", "nearest")
+
+
+def check_sampling(sampling):
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}")
+
+
+def check_grad_output(grad_output, B, Q, H, C, device):
     """The backward op's grad_output (autograd guarantees it for the eager node; a direct caller
     of the op does not, and the library cannot check its size)."""
     if not isinstance(grad_output, torch.Tensor):

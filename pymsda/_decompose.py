@@ -22,7 +22,7 @@ any index is computed (so no NaN reaches an integer cast), and so is any locatio
 import torch
 import torch.nn.functional as F
 
-from ._tables import _starts_of
+from ._args import level_starts
 
 _FAR = -1.0  # a location outside every level: x = -W - 0.5, all four corners at x < 0
 
@@ -48,7 +48,7 @@ def _finite_locations(loc):
 
 
 def decompose(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-              counts=None, nearest=False, softmax=False, method="gather"):
+              counts=None, nearest=False, method="gather"):
     """MSDA in torch operators, (B, Q, H*C) in value's dtype. spatial_shapes: a list of (H, W)
     ints (constants of the graph) or an (L, 2) integer tensor (read by the graph when it runs,
     so level sizes may change; "gather" only); level_start_index: an (L,) tensor or None
@@ -64,8 +64,6 @@ def decompose(value, spatial_shapes, level_start_index, sampling_locations, atte
     v = value.to(dtype)
     loc = sampling_locations.to(dtype)
     attn = attention_weights.to(dtype)
-    if softmax:
-        attn = torch.softmax(attn, -1)
     if nearest or method == "gather":
         out = _gather_form(v, spatial_shapes, level_start_index, loc, attn, counts, nearest)
     elif method == "grid_sample":
@@ -83,7 +81,7 @@ def _level_vectors(spatial_shapes, level_start_index, counts, dtype, device):
     constants for a list of shapes, gathered from the tables when they are tensors."""
     level_of = [level for level, n in enumerate(counts) for _ in range(n)]
     if not isinstance(spatial_shapes, torch.Tensor):
-        starts, _ = _starts_of(spatial_shapes)
+        starts = level_starts(spatial_shapes)
         return (torch.tensor([float(spatial_shapes[l][1]) for l in level_of], dtype=dtype,
                              device=device),
                 torch.tensor([float(spatial_shapes[l][0]) for l in level_of], dtype=dtype,
@@ -91,10 +89,9 @@ def _level_vectors(spatial_shapes, level_start_index, counts, dtype, device):
                 torch.tensor([starts[l] for l in level_of], dtype=torch.int64, device=device))
     shapes = spatial_shapes.to(device=device, dtype=torch.int64)
     if level_start_index is None:
-        sizes = shapes[:, 0] * shapes[:, 1]
-        level_start_index = torch.cumsum(sizes, 0) - sizes
+        level_start_index = level_starts(shapes)
     # each point's level, built without torch.tensor (whose constant run_decompositions of an
-    # ExportedProgram cannot functionalize: pymsda/export.py, _exported_forward)
+    # ExportedProgram cannot functionalize: pymsda/export.py, exported_forward)
     which = torch.cat([torch.full((n,), level, dtype=torch.int64, device=device)
                        for level, n in enumerate(counts) if n])
     per_point = shapes.index_select(0, which)

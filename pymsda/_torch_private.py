@@ -6,8 +6,8 @@ release lacks it. No other module of the package reads a private torch attribute
 | torch._C._cuda_getCurrentRawStream | a device's current cudaStream_t as an int (no Stream object) | torch.cuda.current_stream(i).cuda_stream |
 | torch._C._are_functorch_transforms_active | whether functorch transforms run (vmap, grad) | the autograd Function's public apply |
 | torch._C._FunctionBase.apply (the C++ apply under torch.autograd.Function.apply) | the autograd node without the Python wrapper, ~2 us a call | torch.autograd.Function.apply |
-| torch._C._len_torch_dispatch_stack | whether a dispatch mode (fake tensors, make_fx) is active | treated as none active |
-| torch._C._get_tracing_state | whether torch.jit.trace records | torch.jit.is_tracing() |
+| torch._C._len_torch_dispatch_stack | whether a dispatch mode (fake tensors, make_fx) is active (recording) | treated as none active |
+| torch._C._get_tracing_state | whether torch.jit.trace records (recording) | torch.jit.is_tracing() |
 | torch.jit._builtins._register_builtin | scripted code records the op pymsda::ms_deform_attn | torch.jit.script of such code fails as before |
 | the `__script_unsupported` attribute torch.jit.script reads | torch.jit.script says what works instead of failing in the compiler | TorchScript's own error |
 | torch._C._storage_Use_Count, UntypedStorage._cdata | the CPU gradient pool sees that a buffer is idle | no pool: plain torch.empty |
@@ -68,10 +68,12 @@ def direct_apply(function_class):
 
 
 # ---------------------------------------------------------------------------------------------
-# what traces the call
+# what records the call: the one test of tracing and exporting
 
 is_compiling = (getattr(getattr(torch, "compiler", None), "is_compiling", None)
                 or (lambda: False))  # (public: torch 2.3 and later)
+is_exporting = (getattr(getattr(torch, "compiler", None), "is_exporting", None)
+                or (lambda: False))  # (public: torch 2.5 and later)
 # the depth of the stack of active dispatch modes (FakeTensorMode, make_fx, FlopCounterMode)
 dispatch_mode_depth = lookup("torch._C._len_torch_dispatch_stack") or (lambda: 0)
 
@@ -83,24 +85,27 @@ def _public_tracing_state():
 # jit_tracing_state() -> None unless torch.jit.trace (or torch.onnx.export(dynamo=False)) records
 jit_tracing_state = lookup("torch._C._get_tracing_state") or _public_tracing_state
 
-_EAGER_TYPES = (torch.Tensor, torch.nn.Parameter)
+JIT_TRACE, FAKE, ONNX, EXPORT = 1, 2, 4, 8
 
 
-def tracing():
-    """torch.compile or torch.export tracing, or a dispatch mode (fake tensors, make_fx,
-    FlopCounterMode): tensors made now may not be real, so nothing is cached."""
-    return is_compiling() or dispatch_mode_depth() > 0
-
-
-def traced(value, sampling_locations, attention_weights):
-    """Whether this call must go through the dispatcher to be seen: tracing(), or a tensor
-    subclass. Plain tensors in eager mode answer False within a few hundred nanoseconds."""
-    if is_compiling() or dispatch_mode_depth():
-        return True
-    for t in (value, sampling_locations, attention_weights):
-        if type(t) not in _EAGER_TYPES and isinstance(t, torch.Tensor):
-            return True
-    return False
+def recording():
+    """What records the ops that run now, pymsda's one test of tracing and exporting: 0 in eager
+    code, else a bitwise OR of
+      JIT_TRACE  torch.jit.trace records (real tensors); torch.onnx.export(dynamo=False) runs it
+      FAKE       torch.compile, torch.export or a dispatch mode (fake tensors, make_fx,
+                 FlopCounterMode) traces: tensors made now may not be real, so nothing is kept
+      ONNX       torch.onnx.export, either exporter (it runs one of the two above)
+      EXPORT     torch.export (what torch.onnx.export(dynamo=True) runs)
+    Eager code gets its 0 from three cheap questions; the costly ONNX one (about 2 us) is asked
+    only while something records."""
+    state = ((JIT_TRACE if jit_tracing_state() is not None else 0)
+             | (FAKE if is_compiling() or dispatch_mode_depth() else 0))
+    if state:
+        if torch.onnx.is_in_onnx_export():
+            state |= ONNX
+        if is_exporting():
+            state |= EXPORT
+    return state
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,26 +1,23 @@
-"""Which path ms_deform_attn takes while a tracer records it (pymsda/export.py says what each
-tracer gets and why): torch.jit.trace and torch.onnx.export(dynamo=False) meet the TorchScript
-tracer; torch.export, torch.compile and torch.onnx.export(dynamo=True) trace through the
-registered op (pymsda/_library.py); ONNX export records the decomposition (pymsda/_decompose.py),
-TensorRT's plugin node or the node of pymsda's ONNX Runtime op (c/ort_op.c), as onnx_options says
-(this thread's options, kept here)."""
+"""What ms_deform_attn records under ONNX export (pymsda/ops.py's table says when it comes here;
+pymsda/export.py what each tracer gets and why): the decomposition into standard ONNX ops
+(pymsda/_decompose.py), TensorRT's plugin node or the node of pymsda's ONNX Runtime op
+(c/ort_op.c), as onnx_options says (this thread's options, kept here); and the decomposition that
+torch.jit.trace records where torch has no torch.library.custom_op."""
 import threading
 import warnings
 
 import torch
 
-from ._checks import _check_pairs, _point_counts
+from ._args import level_starts
+from ._checks import check_pairs, point_counts
+from ._clib import FLAG_NEAREST
 from ._decompose import decompose
-from ._lib import FLAG_NEAREST
-from ._library import HAS_TORCH_LIBRARY_OPS, _ms_deform_attn_traced
-from ._tables import _starts_of
-from ._torch_private import jit_tracing_state
 
 TENSORRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
 _TENSORRT_DOMAIN = "trt"
 # pymsda's ONNX Runtime op (c/ort_op.c: MSDA_ORT_DOMAIN, MSDA_ORT_OP_NAME), version 1
 ONNXRUNTIME_DOMAIN, ONNXRUNTIME_OP = "pymsda", "MSDeformAttn"
-_METHODS = ("gather", "grid_sample")
+METHODS = ("gather", "grid_sample")
 
 
 class _Options(threading.local):
@@ -30,75 +27,44 @@ class _Options(threading.local):
     method = "gather"
 
 
-_options = _Options()
+options = _Options()
 
 
 # ---------------------------------------------------------------------------------------------
 # where ops.ms_deform_attn comes in
 
-_tracing_state = jit_tracing_state
-
-
-def _onnx_exporting():
-    return torch.onnx.is_in_onnx_export()
-
-
-def _jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                attention_weights, num_points_list, flags):
-    """ms_deform_attn while the TorchScript tracer records (torch.jit.trace, and
-    torch.onnx.export(dynamo=False), which traces first)."""
-    if _onnx_exporting():
-        return _onnx(value, spatial_shapes, level_start_index, sampling_locations,
-                     attention_weights, num_points_list, flags, dynamo=False)
-    if HAS_TORCH_LIBRARY_OPS:
-        return _ms_deform_attn_traced(value, spatial_shapes, level_start_index,
-                                      sampling_locations, attention_weights, num_points_list,
-                                      flags)
-    return _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
-                       attention_weights, num_points_list, flags, "gather")
-
-
-def _dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights, num_points_list, flags):
-    """ms_deform_attn while torch.export / dynamo traces: the decomposition (or the TensorRT
-    node) for torch.onnx.export(dynamo=True), which has no ONNX function for the registered
-    op; the registered op otherwise."""
-    if _onnx_exporting():
-        return _onnx(value, spatial_shapes, level_start_index, sampling_locations,
-                     attention_weights, num_points_list, flags, dynamo=True)
-    return _ms_deform_attn_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                                  attention_weights, num_points_list, flags)
-
-
-def _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-          num_points_list, flags, dynamo):
-    if _options.onnxruntime:
+def onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+         num_points_list, flags, dynamo):
+    """ms_deform_attn while torch.onnx.export records: dynamo says which exporter (True:
+    torch.export's graph, whose registered op has no ONNX function; False: the TorchScript
+    tracer's)."""
+    if options.onnxruntime:
         return _onnxruntime_node(value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, num_points_list, flags, dynamo)
-    if _options.tensorrt:
+    if options.tensorrt:
         reason = _tensorrt_refusal(spatial_shapes, num_points_list, flags)
         if reason is None:
             return _tensorrt_node(value, spatial_shapes, level_start_index, sampling_locations,
                                   attention_weights, num_points_list, flags, dynamo)
         warnings.warn(f"pymsda: TensorRT's {TENSORRT_PLUGIN} cannot express {reason}; this "
                       "call is exported as the decomposition into standard ONNX ops instead",
-                      stacklevel=4)
-    return _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
-                       attention_weights, num_points_list, flags, _options.method)
+                      stacklevel=3)
+    return decomposed(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, num_points_list, flags, options.method)
 
 
-def _exported_forward(value, spatial_shapes, level_start_index, sampling_locations,
-                      attention_weights, num_points_list, flags):
-    """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_library.py)."""
-    return _onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 num_points_list, flags, dynamo=True)
+def exported_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                     attention_weights, num_points_list, flags):
+    """pymsda::ms_deform_attn_forward's decomposition (its arguments: pymsda/_op.py)."""
+    return onnx(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                num_points_list, flags, dynamo=True)
 
 
 def _tables(spatial_shapes, level_start_index):
     """spatial_shapes as checked (H, W) pairs when given as a list, else the tensor as it is;
     level_start_index as a tensor or None (derived from the shapes)."""
     if not isinstance(spatial_shapes, torch.Tensor):
-        spatial_shapes = list(_check_pairs(spatial_shapes))
+        spatial_shapes = list(check_pairs(spatial_shapes))
         level_start_index = None  # a list is checked against the shapes by the eager path
     elif level_start_index is not None and not isinstance(level_start_index, torch.Tensor):
         level_start_index = torch.tensor([int(s) for s in level_start_index],
@@ -106,12 +72,13 @@ def _tables(spatial_shapes, level_start_index):
     return spatial_shapes, level_start_index
 
 
-def _decomposed(value, spatial_shapes, level_start_index, sampling_locations,
-                attention_weights, num_points_list, flags, method):
+def decomposed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+               num_points_list, flags, method="gather"):
+    """ms_deform_attn as the decomposition (pymsda/_decompose.py) in the form `method`."""
     spatial_shapes, level_start_index = _tables(spatial_shapes, level_start_index)
     counts = None
     if num_points_list is not None:
-        counts = list(_point_counts(num_points_list, len(spatial_shapes)))
+        counts = list(point_counts(num_points_list, len(spatial_shapes)))
     return decompose(value, spatial_shapes, level_start_index, sampling_locations,
                      attention_weights, counts, nearest=bool(flags & FLAG_NEAREST),
                      method=method)
@@ -133,14 +100,12 @@ def _tensorrt_refusal(spatial_shapes, num_points_list, flags):
 def _plugin_tables(spatial_shapes, level_start_index, device, dtype=torch.int32):
     """A node's spatial_shapes (L, 2) and level_start_index (L,) of dtype (the plugin's int32)."""
     if not isinstance(spatial_shapes, torch.Tensor):
-        pairs = _check_pairs(spatial_shapes)
-        starts, _ = _starts_of(pairs)
+        pairs = check_pairs(spatial_shapes)
         return (torch.tensor(pairs, dtype=dtype, device=device),
-                torch.tensor(starts, dtype=dtype, device=device))
+                torch.tensor(level_starts(pairs), dtype=dtype, device=device))
     shapes = spatial_shapes.to(device=device, dtype=dtype)
     if level_start_index is None:
-        sizes = shapes[:, 0] * shapes[:, 1]
-        level_start_index = torch.cumsum(sizes, 0) - sizes
+        level_start_index = level_starts(shapes)
     elif not isinstance(level_start_index, torch.Tensor):
         level_start_index = torch.tensor([int(s) for s in level_start_index])
     return shapes, level_start_index.to(device=device, dtype=dtype)
@@ -166,7 +131,7 @@ def _tensorrt_node(value, spatial_shapes, level_start_index, sampling_locations,
     else:
         dtype = torch.float32
     out = _plugin(_as(value, dtype), shapes, starts, _as(loc, dtype), _as(attn, dtype),
-                  _options.plugin_version, dynamo)
+                  options.plugin_version, dynamo)
     return _as(out, value.dtype)
 
 
@@ -227,7 +192,7 @@ def _onnxruntime_node(value, spatial_shapes, level_start_index, sampling_locatio
     with a float16 value (autocast's, computed from the float32 numbers as the kernels do); the
     tables int64, read when the graph runs; sampling and num_points_list as attributes."""
     if num_points_list is not None:
-        num_points_list = [int(n) for n in _point_counts(num_points_list, _levels(spatial_shapes))]
+        num_points_list = [int(n) for n in point_counts(num_points_list, _levels(spatial_shapes))]
     shapes, starts = _plugin_tables(spatial_shapes, level_start_index, value.device,
                                     torch.int64)
     dtype = value.dtype if value.dtype in (torch.float16, torch.float32) else torch.float32

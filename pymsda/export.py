@@ -9,10 +9,10 @@
                                  express the call; or, inside onnx_options(onnxruntime=True), one
                                  pymsda::MSDeformAttn node, pymsda's own ONNX Runtime op (the
                                  library's RegisterCustomOps, c/ort_op.c) for every call
-    torch.export, torch.compile  the registered op (pymsda/_library.py); decompositions() turns
+    torch.export, torch.compile  the registered op (pymsda/_op.py); decompositions() turns
                                  it into the decomposition in an ExportedProgram (for
                                  torch.onnx.export of the program)
-    torch.jit.script             the op pymsda::ms_deform_attn (pymsda/_script.py), whose kernel
+    torch.jit.script             the op pymsda::ms_deform_attn (pymsda/ops.py), whose kernel
                                  is ms_deform_attn: scripted code computes what eager code does;
                                  drop-ins TorchScript cannot compile raise saying what works
                                  (pymsda/_torch_private.py: not_scriptable,
@@ -36,9 +36,9 @@ import contextlib
 
 import torch
 
-from ._library import HAS_TORCH_LIBRARY_OPS
-from ._trace import (_METHODS, ONNXRUNTIME_DOMAIN, ONNXRUNTIME_OP, TENSORRT_PLUGIN,
-                     _exported_forward, _options)
+from ._op import HAS_TORCH_LIBRARY_OPS
+from ._trace import (METHODS, ONNXRUNTIME_DOMAIN, ONNXRUNTIME_OP, TENSORRT_PLUGIN,
+                     exported_forward, options)
 
 __all__ = ["onnx_options", "decompositions", "TENSORRT_PLUGIN", "ONNXRUNTIME_DOMAIN",
            "ONNXRUNTIME_OP"]
@@ -64,21 +64,21 @@ def onnx_options(tensorrt=False, plugin_version="1", method="gather", onnxruntim
             ONNX Runtime) or "grid_sample" (GridSample, opset 16 and later; needs
             spatial_shapes as a list).
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if str(plugin_version) not in ("1", "2"):
         raise ValueError(f"plugin_version must be '1' or '2', got {plugin_version!r}")
     if tensorrt and onnxruntime:
         raise ValueError("onnx_options: choose one of tensorrt=True and onnxruntime=True (one "
                          "node type a graph)")
-    saved = (_options.tensorrt, _options.plugin_version, _options.method, _options.onnxruntime)
-    _options.tensorrt, _options.plugin_version, _options.method, _options.onnxruntime = (
+    saved = (options.tensorrt, options.plugin_version, options.method, options.onnxruntime)
+    options.tensorrt, options.plugin_version, options.method, options.onnxruntime = (
         bool(tensorrt), str(plugin_version), method, bool(onnxruntime))
     try:
         yield
     finally:
-        (_options.tensorrt, _options.plugin_version, _options.method,
-         _options.onnxruntime) = saved
+        (options.tensorrt, options.plugin_version, options.method,
+         options.onnxruntime) = saved
 
 
 def decompositions():
@@ -97,4 +97,4 @@ def decompositions():
     if not HAS_TORCH_LIBRARY_OPS:
         raise RuntimeError(f"pymsda: torch {torch.__version__} has no torch.library.custom_op, "
                            "so no pymsda op is recorded by torch.export to decompose")
-    return {torch.ops.pymsda.ms_deform_attn_forward.default: _exported_forward}
+    return {torch.ops.pymsda.ms_deform_attn_forward.default: exported_forward}

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._tables import shapes_tensor
+from ._args import shapes_tensor
 from .ops import ms_deform_attn
 
 __all__ = ["MSDeformAttn"]

@@ -1,29 +1,27 @@
-"""The MSDA operator: ms_deform_attn and Deformable DETR's MSDeformAttnFunction.
+"""The MSDA operator: ms_deform_attn, Deformable DETR's MSDeformAttnFunction, and the op
+pymsda::ms_deform_attn that torch.jit.script records.
 
-One eager path: the arguments are checked and prepared once (pymsda/_plan.py: the common call in
-one pass, anything else by the checks that name what is wrong), then the op runs through the
-library directly, with one autograd.Function when a gradient is wanted (pymsda/_autograd.py).
-Where torch has torch.library.custom_op the op is also registered as
-pymsda::ms_deform_attn_forward / _backward (pymsda/_library.py); calls made while torch.compile,
-torch.export or a dispatch mode traces go through those, where a ctypes call could not be
-recorded. The dispatcher costs several microseconds a call, so eager calls do not use it.
+Every caller meets ms_deform_attn, whose body begins with the one table of which exit serves
+which caller, the dispatch right under it. Every exit that computes with pymsda's kernels ends in
+pymsda/_op.py's forward() and backward(), the only functions that call the C library.
 """
 from typing import Any, Optional
 
 import torch
 
-from . import _lib
-from ._autograd import _MetaMSDA, _reference, _run
-from ._lib import serves as _library_serves
-from ._torch_private import dispatch_mode_depth as _dispatch_modes, \
-    is_compiling as _is_compiling, traced as _traced
-from ._trace import _dynamo_traced, _jit_traced, _tracing_state
-from ._library import HAS_TORCH_LIBRARY_OPS
-from ._plan import _common, _deterministic_algorithms, _flags, _prepare, _softmax_points
+from . import _clib
+from ._args import common, deterministic_algorithms, flags_of, points_dtype, prepare
+from ._checks import HALF_DTYPES
+from ._op import HAS_TORCH_LIBRARY_OPS, run, traced, unserved
+from ._torch_private import (JIT_TRACE, ONNX, recording, register_script_builtin,
+                             script_unsupported)
+from ._trace import decomposed, onnx
 
-_Tensor = torch.Tensor
+_Tensor, _F32 = torch.Tensor, torch.float32
+_EAGER_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 __all__ = ["ms_deform_attn", "MSDeformAttnFunction"]
+
 
 def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, im2col_step=None, *, num_points_list=None,
@@ -84,42 +82,83 @@ def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
     """
     if softmax:  # torch's softmax, then the plain op (see softmax above)
         if not _composable(value, sampling_locations, attention_weights):
-            _prepare(value, spatial_shapes, level_start_index, sampling_locations,
-                     attention_weights, validate, num_points_list)  # raises, naming the argument
+            prepare(value, spatial_shapes, level_start_index, sampling_locations,
+                    attention_weights, validate, num_points_list)  # raises, naming the argument
         attention_weights = _softmax_points(value, sampling_locations, attention_weights)
     if sampling == "bilinear" and deterministic is None:  # (at once)
-        flags = _lib.FLAG_DETERMINISTIC if _deterministic_algorithms() else 0
+        flags = _clib.FLAG_DETERMINISTIC if deterministic_algorithms() else 0
     else:
-        flags = _flags(sampling, deterministic)
-        if flags & _lib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
+        flags = flags_of(sampling, deterministic)
+        if flags & _clib.FLAG_NEAREST and isinstance(sampling_locations, _Tensor):
             # piecewise constant in the location: no gradient at all (None), on every path
             sampling_locations = sampling_locations.detach()
-    if _tracing_state() is not None:  # torch.jit.trace, torch.onnx.export(dynamo=False)
-        return _jit_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                           attention_weights, num_points_list, flags)
-    if HAS_TORCH_LIBRARY_OPS and (
-            _is_compiling() or _dispatch_modes() or not (
-                type(value) is _Tensor and type(sampling_locations) is _Tensor
-                and type(attention_weights) is _Tensor)) and _traced(
-                    value, sampling_locations, attention_weights):
-        return _dynamo_traced(value, spatial_shapes, level_start_index, sampling_locations,
-                              attention_weights, num_points_list, flags)
-    if num_points_list is None and not validate:  # the common call, in one pass
-        common = _common(value, spatial_shapes, level_start_index, sampling_locations,
-                         attention_weights, flags)
-        if common is not None:
-            return _run(*common)
-    # anything else: checked one by one (named where wrong), new tables prepared
-    value, levels, loc, attn, sizes, lp = _prepare(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        validate, num_points_list)
-    if not _library_serves(value.device):
-        device = value.device  # a device the library does not serve
-        if device.type == "meta":
-            return _MetaMSDA.apply(value, loc, attn, sizes)
-        return _reference(value, levels.host if levels.host is not None else levels.shapes,
-                          loc, attn, num_points_list, flags)
-    return _run(value, loc, attn, (levels, sizes, lp, flags))
+    # Which exit serves which caller: the first row that fits, asked in this order below.
+    # recording() is pymsda's one test of tracing and exporting (pymsda/_torch_private.py).
+    #
+    # | caller (told by)                              | exit
+    # |-----------------------------------------------|--------------------------------------------
+    # | torch.onnx.export, either exporter            | _trace.onnx: the decomposition into ONNX
+    # |   (recording() & ONNX)                        |   ops, or one node of TensorRT's plugin or
+    # |                                               |   of pymsda's ONNX Runtime op
+    # | torch.jit.trace (recording() & JIT_TRACE)     | _op.traced: the torch.library op (torch
+    # |                                               |   < 2.4: _trace.decomposed)
+    # | torch.compile, torch.export, dispatch modes   | _op.traced (torch >= 2.4)
+    # |   (recording() & FAKE), tensor subclasses     |
+    # | torch.jit.script (scripted code records       | this function, the op's kernel: the rows
+    # |   pymsda::ms_deform_attn, registered below)   |   here
+    # | eager, the common call (_args.common)         | _op.run: _op.forward; with a gradient
+    # |                                               |   wanted, through the autograd node
+    # | eager, anything else (_args.prepare: every    | _op.run
+    # |   check, each naming what is wrong)           |
+    # | a device the library does not serve           | _op.unserved: on meta, shapes alone; else
+    # |   (_clib.serves)                              |   the pure-PyTorch op (a SlowPathWarning
+    # |                                               |   on CUDA)
+    recorder = recording()
+    if recorder & ONNX:
+        return onnx(value, spatial_shapes, level_start_index, sampling_locations,
+                    attention_weights, num_points_list, flags, dynamo=not recorder & JIT_TRACE)
+    if recorder & JIT_TRACE and not HAS_TORCH_LIBRARY_OPS:
+        return decomposed(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights, num_points_list, flags)
+    if HAS_TORCH_LIBRARY_OPS and (recorder or not (
+            type(value) is _Tensor and type(sampling_locations) is _Tensor
+            and type(attention_weights) is _Tensor) and _subclassed(
+                value, sampling_locations, attention_weights)):
+        return traced(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, num_points_list, flags)
+    if num_points_list is None and not validate:
+        prepared = common(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights, flags)
+        if prepared is not None:
+            return run(*prepared)
+    value, loc, attn, call = prepare(value, spatial_shapes, level_start_index,
+                                     sampling_locations, attention_weights, validate,
+                                     num_points_list, flags)
+    if not _clib.serves(value.device):
+        return unserved(value, loc, attn, call, num_points_list)
+    return run(value, loc, attn, call)
+
+
+def _softmax_points(value, loc, attn):
+    """softmax=True: attention_weights (logits) softmaxed over each (query, head)'s points, to
+    be passed to the plain op. The composition's backward is the faster (kernels/TUNING.md:
+    softmax=True). The softmax runs in the dtype the op reads the points in
+    (_args.points_dtype), so logits that are widened to float32 are widened first; it is
+    torch's own softmax otherwise (under autocast, float32)."""
+    x = attn.flatten(3) if attn.dim() == 5 else attn  # (B, Q, H, L * P) or (B, Q, H, N)
+    to = points_dtype(value.dtype, loc.dtype, attn.dtype)
+    if to is not attn.dtype:
+        x = x.softmax(-1, dtype=to)
+    elif to in HALF_DTYPES and x.device.type == "cpu":  # (torch 1.13: no half softmax on the CPU)
+        x = x.softmax(-1, dtype=_F32).to(to)
+    else:
+        x = x.softmax(-1)
+    return x.view(attn.shape)
+
+
+def _subclassed(*tensors):
+    """Whether a tensor is of a subclass that must meet the dispatcher (a Parameter need not)."""
+    return any(type(t) not in _EAGER_TYPES and isinstance(t, _Tensor) for t in tensors)
 
 
 def _composable(value, loc, attn):
@@ -133,10 +172,69 @@ class MSDeformAttnFunction:
     """Deformable DETR's autograd function, as `MSDeformAttnFunction.apply(value,
     value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
     im2col_step)`; im2col_step is ignored. The annotations are for torch.jit.script, which
-    compiles the class and records the op pymsda::ms_deform_attn (pymsda/_script.py)."""
+    compiles the class and records the op pymsda::ms_deform_attn (registered below)."""
 
     @staticmethod
     def apply(value, value_spatial_shapes: Any, value_level_start_index: Any, sampling_locations,
               attention_weights, im2col_step: Optional[int] = None):
         return ms_deform_attn(value, value_spatial_shapes, value_level_start_index,
                               sampling_locations, attention_weights, im2col_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.jit.script: the operator pymsda::ms_deform_attn that scripted code calls.
+#
+# TorchScript cannot compile ms_deform_attn itself (keyword-only options, a C library called by
+# ctypes). So ms_deform_attn is registered as a TorchScript builtin, as torch registers its own
+# Python functions: a scripted function or module that calls pymsda.ms_deform_attn (or a drop-in
+# that is scriptable, see docs/export.md) records one node pymsda::ms_deform_attn, with the same
+# arguments. Its kernel (CompositeImplicitAutograd, so autograd sees what it runs) is
+# ms_deform_attn itself: the scripted code computes exactly what eager code computes, with the
+# same checks and gradients. A saved scripted module loads where pymsda is imported. Registered
+# with torch.library's Python kernels (torch 1.13 and later); spatial_shapes and
+# level_start_index are typed Any, so they may be tensors or lists, as in eager code.
+
+SCRIPT_SCHEMA = ("ms_deform_attn(Tensor value, Any spatial_shapes, Any level_start_index, "
+          "Tensor sampling_locations, Tensor attention_weights, int? im2col_step=None, *, "
+          "int[]? num_points_list=None, str sampling=\"bilinear\", bool softmax=False, "
+          "bool? deterministic=None, bool validate=False) -> Tensor")
+
+_DIRECTLY = ("pymsda.ms_deform_attn is a TorchScript builtin (the operator pymsda::ms_deform_attn)"
+             ": script the function or module that calls it, not the op itself")
+
+
+def _kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            im2col_step=None, num_points_list=None, sampling="bilinear", softmax=False,
+            deterministic=None, validate=False):
+    return ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights, im2col_step, num_points_list=num_points_list,
+                          sampling=sampling, softmax=softmax, deterministic=deterministic,
+                          validate=validate)
+
+
+def _register_script_op():
+    """The torch.library.Library holding the op (kept alive: registrations end with it), or None
+    where this torch cannot register Python kernels."""
+    Library = getattr(getattr(torch, "library", None), "Library", None)
+    if Library is None:
+        return None
+    try:
+        # FRAGMENT: the namespace may already hold the torch.library.custom_op ops (_op.py);
+        # torch 1.13 has no FRAGMENT, and no custom ops to share the namespace with
+        library = Library("pymsda", "FRAGMENT" if HAS_TORCH_LIBRARY_OPS else "DEF")
+        library.define(SCRIPT_SCHEMA)
+        library.impl("ms_deform_attn", _kernel, "CompositeImplicitAutograd")
+        if not register_script_builtin(ms_deform_attn, "pymsda::ms_deform_attn"):
+            return None
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return library
+
+
+_op_library = _register_script_op()
+HAS_SCRIPT_OP = _op_library is not None
+# torch.jit.script(pymsda.ms_deform_attn) itself: say what works (calls from scripted code are
+# resolved to the builtin before this is looked at)
+script_unsupported(ms_deform_attn, _DIRECTLY if HAS_SCRIPT_OP else (
+    "pymsda.ms_deform_attn cannot be compiled by torch.jit.script with torch "
+    f"{torch.__version__}: use torch.jit.trace (it records the op), or torch.onnx.export"))

@@ -3,6 +3,7 @@ for devices the C library does not serve. Runs on any device and dtype grid_samp
 import torch
 import torch.nn.functional as F
 
+from ._checks import check_sampling
 from ._torch_private import script_unsupported_because
 
 __all__ = ["ms_deform_attn_pytorch"]
@@ -46,8 +47,7 @@ def ms_deform_attn_pytorch(value, spatial_shapes, sampling_locations, attention_
         gradient flows.
       softmax=True: attention_weights are logits, softmaxed over all points of each (b, q, h).
     """
-    if sampling not in ("bilinear", "nearest"):
-        raise ValueError(f"sampling must be 'bilinear' or 'nearest', got {sampling!r}")
+    check_sampling(sampling)
     B, S, H, C = value.shape
     Q = sampling_locations.shape[1]
     pairs = _pairs(spatial_shapes)

@@ -32,10 +32,9 @@ import collections
 
 import torch
 
-from . import _lib
-from ._checks import _DTYPE_CODE
-from ._plan import _flags
-from ._tables import _level_points
+from . import _clib
+from ._checks import DTYPE_CODE
+from ._args import flags_of, level_points_table, points_dtype as _points_dtype
 
 Route = collections.namedtuple("Route", "kernel deterministic f32_workspace")
 
@@ -46,57 +45,56 @@ _GRAD_BITS = {"value": 1, "sampling_locations": 2, "attention_weights": 4}
 def _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
              points_dtype, device):
     """msda_args of the sizes, dtype and options a route query names (device: its index)."""
-    if dtype not in _DTYPE_CODE:
-        raise TypeError(f"dtype must be one of {list(_DTYPE_CODE)}, got {dtype!r}")
+    if dtype not in DTYPE_CODE:
+        raise TypeError(f"dtype must be one of {list(DTYPE_CODE)}, got {dtype!r}")
     level_points = None
     if num_points_list is not None:
-        total, level_points = _level_points(num_points_list, L)
+        total, level_points = level_points_table(num_points_list, L)
         if total != P:
             raise ValueError(f"num_points_list {list(num_points_list)} sums to {total}, P = {P}")
-    flags = _flags(sampling, deterministic)
-    if points_dtype is not None and points_dtype is not dtype and dtype in (torch.float16,
-                                                                           torch.bfloat16):
-        flags |= _lib.FLAG_POINTS_F32  # (_plan._points: float32 points)
-    return _lib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_DTYPE_CODE[dtype],
+    flags = flags_of(sampling, deterministic)
+    if points_dtype is not None and _points_dtype(dtype, points_dtype, points_dtype) is not dtype:
+        flags |= _clib.FLAG_POINTS_F32  # float32 points with a half value
+    return _clib.pack_args(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=DTYPE_CODE[dtype],
                           device=device, flags=flags, level_points=level_points)
 
 
 def _checked(route):
     if route < 0:
-        raise ValueError("pymsda: " + _lib.lib.msda_last_error().decode())
+        raise ValueError("pymsda: " + _clib.lib.msda_last_error().decode())
     return route
 
 
 def forward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
-                  softmax=False, aligned=True, points_dtype=None):
-    """The kernel the CUDA forward runs (a name of _lib.FWD_ROUTE_KERNELS: 'none', 'generic',
+                  aligned=True, points_dtype=None):
+    """The kernel the CUDA forward runs (a name of _clib.FWD_ROUTE_KERNELS: 'none', 'generic',
     'fast', 'wide', 'direct') for these sizes (as in ms_deform_attn: value (B, S, H, C), L levels, Q
     queries, P points per level, or per-level counts in num_points_list with P their sum), dtype
     (value's) and options. points_dtype: that of sampling_locations and attention_weights
     (default: value's; float32 with a half value, autocast's call, takes the all-half call's
-    route). softmax: accepted; the route is the plain call's (the op composes torch's softmax
+    route). softmax=True has the plain call's route (ms_deform_attn composes torch's softmax
     with it). aligned: value and output 16-byte aligned (torch's allocations are). The choice
     depends on no GPU: any build answers."""
     args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, False, points_dtype,
                     -1)
-    route = _checked(_lib.lib.msda_forward_route(args, int(bool(aligned))))
-    return _lib.FWD_ROUTE_KERNELS[route]
+    route = _checked(_clib.lib.msda_forward_route(args, int(bool(aligned))))
+    return _clib.FWD_ROUTE_KERNELS[route]
 
 
 def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling="bilinear",
-                   softmax=False, deterministic=False, grads=ALL_GRADS, aligned=True,
+                   deterministic=False, grads=ALL_GRADS, aligned=True,
                    device=None, multiprocessors=None, sm90_code=None, points_dtype=None):
     """The Route the CUDA backward takes for these sizes (as in ms_deform_attn: value
     (B, S, H, C), L levels, Q queries, P points per level, or per-level counts in
     num_points_list with P their sum), dtype (value's), options and wanted gradients (names from
     ALL_GRADS). points_dtype: that of sampling_locations and attention_weights (default:
     value's; float32 with a half value is autocast's call, which takes the all-half call's
-    route). softmax: accepted; the route is the plain call's (the op composes torch's softmax
+    route). softmax=True has the plain call's route (ms_deform_attn composes torch's softmax
     with it). aligned: value, grad_output and grad_value 16-byte aligned (torch's
     allocations are). The GPU: give multiprocessors and sm90_code (whether the code it runs is
     built for sm_90 or newer) to ask without one, or a CUDA device (default: the current one)."""
-    if dtype not in _DTYPE_CODE:
-        raise TypeError(f"dtype must be one of {list(_DTYPE_CODE)}, got {dtype!r}")
+    if dtype not in DTYPE_CODE:
+        raise TypeError(f"dtype must be one of {list(DTYPE_CODE)}, got {dtype!r}")
     unknown = set(grads) - set(_GRAD_BITS)
     if unknown:
         raise ValueError(f"grads must name gradients among {ALL_GRADS}, got {sorted(unknown)}")
@@ -112,11 +110,10 @@ def backward_route(B, S, H, C, L, Q, P, dtype, *, num_points_list=None, sampling
         index = torch.device(device if device is not None else "cuda").index
         index = torch.cuda.current_device() if index is None else index
         multiprocessors, sm90_code = 0, -1
-    # softmax=True composes torch's softmax with the plain op: the same route as without it
     args = _problem(B, S, H, C, L, Q, P, dtype, num_points_list, sampling, deterministic,
                     points_dtype, index)
-    route = _checked(_lib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
+    route = _checked(_clib.lib.msda_backward_route(args, sum(_GRAD_BITS[g] for g in set(grads)),
                                                   int(bool(aligned)), multiprocessors,
                                                   sm90_code))
-    return Route(_lib.ROUTE_KERNELS[route & _lib.ROUTE_KERNEL_MASK],
-                 bool(route & _lib.ROUTE_DETERMINISTIC), bool(route & _lib.ROUTE_F32_WORKSPACE))
+    return Route(_clib.ROUTE_KERNELS[route & _clib.ROUTE_KERNEL_MASK],
+                 bool(route & _clib.ROUTE_DETERMINISTIC), bool(route & _clib.ROUTE_F32_WORKSPACE))

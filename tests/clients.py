@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from pymsda import _autograd
+from pymsda import _op
 
 # ours may be off the float64 truth by twice the project's own error in the same dtype, plus
 # this much relative to the size of the true quantity
@@ -40,13 +40,13 @@ def client(name):
 def library_calls(monkeypatch):
     """Counts of the calls into libpymsda's msda_forward and msda_backward."""
     counts = {"forward": 0, "backward": 0}
-    for name, key in (("_forward_c", "forward"), ("_backward_c", "backward")):
-        entry = getattr(_autograd, name)
+    for name, key in (("c_forward", "forward"), ("c_backward", "backward")):
+        entry = getattr(_op, name)
 
         def counted(*args, _entry=entry, _key=key):
             counts[_key] += 1
             return _entry(*args)
-        monkeypatch.setattr(_autograd, name, counted)
+        monkeypatch.setattr(_op, name, counted)
     return counts
 
 

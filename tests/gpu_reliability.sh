@@ -133,7 +133,7 @@ for (dtype, C, Q, P, options), grads, det in itertools.product(
     out.backward(torch.randn_like(out))
     runs += 1
 torch.cuda.synchronize()
-missing = set(pymsda._lib.ROUTE_KERNELS.values()) - {k for k, _ in seen}
+missing = set(pymsda._clib.ROUTE_KERNELS.values()) - {k for k, _ in seen}
 assert not missing, f"routes not reached: {sorted(missing)}"
 assert {k for k, d in seen if d} >= {"generic", "point", "aggregated"}, seen
 print(f"workload: {runs} forward/backward runs over {len(cases)} kernel configurations; "

@@ -213,18 +213,18 @@ def test_gradients_far_outside_the_map_are_zero(generator, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_direct_autograd_apply_matches_the_public_one(generator, device, monkeypatch):
     """Eager calls build their autograd node through the C++ apply of torch._C._FunctionBase
-    (pymsda/_autograd.py, _apply_direct, skipping Function.apply's Python wrapper); the public
+    (pymsda/_op.py, _apply_direct, skipping Function.apply's Python wrapper); the public
     torch.autograd.Function.apply must give the same node type and the same gradients (bit for
     bit but for CUDA's atomically summed grad_value), and the in-place check of saved inputs
     must still fire."""
-    from pymsda import _autograd
-    if _autograd._apply_direct is None:
+    from pymsda import _op
+    if _op._apply_direct is None:
         pytest.skip("this torch lays out autograd.Function differently: the public apply is used")
     inputs = make_inputs(generator, dtype=torch.float64, device=device, kink_free=True,
                          **random_case(generator))
     grad_output = random_grad_output(generator, output_like(inputs))
     direct = grads_of(pymsda.ms_deform_attn, inputs, grad_output)
-    monkeypatch.setattr(_autograd, "_apply_direct", None)
+    monkeypatch.setattr(_op, "_apply_direct", None)
     public = grads_of(pymsda.ms_deform_attn, inputs, grad_output)
     for name in GRAD_NAMES:
         if device == "cuda" and name == "value":  # float atomics: the order of the sums varies

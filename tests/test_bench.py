@@ -63,6 +63,18 @@ def test_run_gives_one_row_per_shape_dtype_and_pass_with_the_expected_keys(resul
         result["metadata"])
 
 
+def test_metadata_names_the_commit_of_the_checkout_the_package_comes_from(result):
+    """A checkout's bench records its commit (hex, "-dirty" when tracked files differ); an
+    installed package "n/a"."""
+    commit = result["metadata"]["commit"]
+    package = os.path.dirname(os.path.realpath(pymsda.__file__))
+    if package == os.path.join(os.path.realpath(REPO), "pymsda") and os.path.exists(
+            os.path.join(REPO, ".git")):
+        assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", commit), commit
+    else:
+        assert commit == "n/a"
+
+
 @needs_bf16_reference
 def test_run_reports_small_f32_errors_for_forward_and_gradients(result):
     for row in result["rows"]:

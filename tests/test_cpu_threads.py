@@ -1,7 +1,7 @@
 """tests/test_cpu_threads.py: the CPU kernels under every threading situation they meet in PyTorch.
 
-The op runs on torch.get_num_threads() OpenMP threads (pymsda/_autograd.py, _device_args, passes
-it) of the runtime torch already loaded: pymsda/_lib.py puts that runtime in the global scope
+The op runs on torch.get_num_threads() OpenMP threads (pymsda/_op.py, device_args, passes
+it) of the runtime torch already loaded: pymsda/_clib.py puts that runtime in the global scope
 before it loads the library (a wheel's library names no OpenMP library; a build folder's names
 libgomp.so.1, which resolves to the same copy), so torch and pymsda share one OpenMP runtime and
 thread pool. Checked here:
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _autograd, _lib
+from pymsda import _op, _clib
 from factories import (GRAD_NAMES, make_inputs, oracle_backward, oracle_forward,
                        random_grad_output, rel_l2)
 
@@ -130,25 +130,25 @@ class _OpDataset(torch.utils.data.Dataset):
 
 def _run_kernels(inputs, grad_output):
     """msda_forward and msda_backward through the C ABI, with the thread count pymsda.ops
-    chooses (_autograd._device_args), and nothing else around them."""
+    chooses (_op.device_args), and nothing else around them."""
     value, loc, attn = (inputs[k].contiguous() for k in GRAD_NAMES)
     B, S, H, C = value.shape
     _, Q, _, L, P, _ = loc.shape
     shapes = inputs["spatial_shapes"].to(torch.int64).contiguous()
     starts = inputs["level_start_index"].to(torch.int64).contiguous()
-    device, stream, threads = _autograd._device_args(value)
-    code = {torch.float32: _lib.DTYPE_F32, torch.float64: _lib.DTYPE_F64}[value.dtype]
+    device, stream, threads = _op.device_args(value)
+    code = {torch.float32: _clib.DTYPE_F32, torch.float64: _clib.DTYPE_F64}[value.dtype]
     out = torch.empty(B, Q, H * C, dtype=value.dtype)
     grads = [torch.empty_like(value), torch.empty_like(loc), torch.empty_like(attn)]
-    common = dict(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=code, index_dtype=_lib.INDEX_I64,
+    common = dict(B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=code, index_dtype=_clib.INDEX_I64,
                   device=device, num_threads=threads, value=value.data_ptr(),
                   spatial_shapes=shapes.data_ptr(), level_start_index=starts.data_ptr(),
                   sampling_locations=loc.data_ptr(), attention_weights=attn.data_ptr(),
                   stream=stream)
-    assert _lib.lib.msda_forward(_lib.pack_args(**common, output=out.data_ptr())) == _lib.OK
-    assert _lib.lib.msda_backward(_lib.pack_args(
+    assert _clib.lib.msda_forward(_clib.pack_args(**common, output=out.data_ptr())) == _clib.OK
+    assert _clib.lib.msda_backward(_clib.pack_args(
         **common, grad_output=grad_output.contiguous().data_ptr(),
-        **{f"grad_{name}": g.data_ptr() for name, g in zip(GRAD_NAMES, grads)})) == _lib.OK
+        **{f"grad_{name}": g.data_ptr() for name, g in zip(GRAD_NAMES, grads)})) == _clib.OK
     return [out] + grads
 
 
@@ -207,7 +207,7 @@ def test_torch_and_pymsda_share_one_openmp_runtime():
     gomp = {p for p in mapped if os.path.basename(p).startswith("libgomp")}
     if not gomp:
         pytest.skip("no libgomp mapped (a build without OpenMP)")
-    # pymsda binds to the runtime torch loaded (pymsda/_lib.py), never a second one.
+    # pymsda binds to the runtime torch loaded (pymsda/_clib.py), never a second one.
     assert len(gomp) == 1, f"two GNU OpenMP runtimes loaded: {sorted(gomp)}"
 
 

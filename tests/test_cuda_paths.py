@@ -392,7 +392,7 @@ LYING_DECODER_TABLES = [
                               "derived_past_S", "derived_level0_past_S"])
 def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
         generator, shapes, starts, S):
-    from pymsda import _lib
+    from pymsda import _clib
     B, Q, H, C, L, P = 2, 40, 2, 32, len(shapes), 3
     value = torch.randn(B, S, H, C, generator=generator)
     loc = torch.rand(B, Q, H, L, P, 2, generator=generator) * 1.3 - 0.15
@@ -406,18 +406,18 @@ def test_decoder_backward_with_lying_device_tables_matches_the_c_cpu_kernels(
     out.backward(grad_out.cuda())
     if starts is None:  # the C library's own derivation, on the host
         starts_t = torch.empty(L, dtype=torch.int64)
-        assert _lib.lib.msda_level_starts(L, S, _lib.INDEX_I64, -1, shapes_t.data_ptr(),
-                                          starts_t.data_ptr(), None) == _lib.OK
+        assert _clib.lib.msda_level_starts(L, S, _clib.INDEX_I64, -1, shapes_t.data_ptr(),
+                                          starts_t.data_ptr(), None) == _clib.OK
     else:
         starts_t = torch.tensor(starts)
     grads = [torch.full(t.shape, float("nan")) for t in (value, loc, attn)]
-    args = _lib.pack_args(
-        B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64,
+    args = _clib.pack_args(
+        B=B, S=S, H=H, C=C, L=L, Q=Q, P=P, dtype=_clib.DTYPE_F32, index_dtype=_clib.INDEX_I64,
         device=-1, num_threads=2, value=value.data_ptr(), spatial_shapes=shapes_t.data_ptr(),
         level_start_index=starts_t.data_ptr(), sampling_locations=loc.data_ptr(),
         attention_weights=attn.data_ptr(), grad_output=grad_out.data_ptr(),
         **{f"grad_{name}": g.data_ptr() for name, g in zip(GRAD_NAMES, grads)})
-    assert _lib.lib.msda_backward(args) == _lib.OK
+    assert _clib.lib.msda_backward(args) == _clib.OK
     for name, leaf, expected in zip(GRAD_NAMES, leaves, grads):
         assert rel_l2(leaf.grad, expected.double()) < 1e-5, name
 
@@ -457,7 +457,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import pymsda
-from pymsda import _lib
+from pymsda import _clib
 from factories import GRAD_NAMES, make_inputs, oracle_backward, random_grad_output, rel_l2, run_msda
 errors = {}
 for name, queries in (("aggregated", 60), ("per_point", 5)):
@@ -471,8 +471,8 @@ for name, queries in (("aggregated", 60), ("per_point", 5)):
         out.backward(grad_output)
         expected = oracle_backward(inputs, grad_output)
         errors[f"{name}/{dtype}"] = [rel_l2(leaves[k].grad, e) for k, e in zip(GRAD_NAMES, expected)]
-code = _lib.DTYPE_BF16
-need = _lib.lib.msda_backward_workspace_size(_lib.pack_args(
+code = _clib.DTYPE_BF16
+need = _clib.lib.msda_backward_workspace_size(_clib.pack_args(
     B=2, S=60, H=2, C=32, L=2, Q=60, P=2, dtype=code, device=0))
 print(json.dumps({"errors": errors, "workspace": need, "library": pymsda.library_path()}))
 """

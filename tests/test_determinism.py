@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _autograd, _lib
+from pymsda import _op, _clib
 from pymsda.reference import ms_deform_attn_pytorch
 from conftest import DEVICES, requires_cuda, skip_unless_grid_sample_supports
 from factories import (GRAD_NAMES, loose_bound, make_inputs, oracle_backward,
@@ -35,13 +35,13 @@ def deterministic_algorithms():
 def backward_flags(monkeypatch):
     """The flags argument of every msda_backward call the op makes during the test."""
     seen = []
-    real = _autograd._backward_c
+    real = _op.c_backward
 
     def recording(args):
-        seen.append(_lib.unpack_args(args)["flags"])
+        seen.append(_clib.unpack_args(args)["flags"])
         return real(args)
 
-    monkeypatch.setattr(_autograd, "_backward_c", recording)
+    monkeypatch.setattr(_op, "c_backward", recording)
     return seen
 
 
@@ -79,7 +79,7 @@ def test_flag_selection(generator, backward_flags, keyword, torch_setting, expec
     finally:
         torch.use_deterministic_algorithms(previous)
     assert len(backward_flags) == 1
-    assert bool(backward_flags[0] & _lib.FLAG_DETERMINISTIC) == expected
+    assert bool(backward_flags[0] & _clib.FLAG_DETERMINISTIC) == expected
 
 
 # ---- CUDA: bitwise reproducible ----------------------------------------------------------------
@@ -152,4 +152,4 @@ def test_cpu_deterministic_flag_gives_the_default_bits(generator, dtype, backwar
         deterministic = gradients(inputs, grad_output, deterministic=True)
         for name, a, b in zip(GRAD_NAMES, default, deterministic):
             assert torch.equal(a, b), name
-    assert [bool(f & _lib.FLAG_DETERMINISTIC) for f in backward_flags] == [False, True, True]
+    assert [bool(f & _clib.FLAG_DETERMINISTIC) for f in backward_flags] == [False, True, True]

@@ -121,8 +121,8 @@ def test_decomposition_options_match_f64_oracle(generator, nearest, tables):
     inputs = make_point_inputs(generator, 2, 9, 3, 5, SHAPES, counts, logits=True)
     shapes = SHAPES if tables == "list" else inputs["spatial_shapes"]
     out = decompose(inputs["value"], shapes, inputs["level_start_index"],
-                    inputs["sampling_locations"], inputs["attention_weights"], counts,
-                    nearest=nearest, softmax=True)
+                    inputs["sampling_locations"], inputs["attention_weights"].softmax(-1), counts,
+                    nearest=nearest)
     expected = oracle_forward_general(inputs, num_points_list=counts, nearest=nearest,
                                       softmax=True)
     assert rel_l2(out, expected) < 1e-12

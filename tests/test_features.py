@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _lib
+from pymsda import _clib
 from pymsda.reference import ms_deform_attn_pytorch
 import oracle
 from conftest import DEVICES, FLOAT_DTYPES
@@ -306,7 +306,7 @@ def test_nearest_sampling_gives_sampling_locations_no_gradient_not_zeros(generat
     elif path == "library_op":
         out = torch.ops.pymsda.ms_deform_attn_forward(
             value, inputs["spatial_shapes"], inputs["level_start_index"], moved, weights,
-            counts, _lib.FLAG_NEAREST)
+            counts, _clib.FLAG_NEAREST)
     else:
         out = ms_deform_attn_pytorch(value, inputs["spatial_shapes"], moved, weights,
                                      num_points_list=counts, sampling="nearest")
@@ -426,8 +426,8 @@ def test_index_dtype_int32_and_list_shapes(generator, device):
 
 C_LEVEL_FLAGS = {
     "counts": ([1, 4], 0),
-    "counts_nearest": ([0, 5], _lib.FLAG_NEAREST),
-    "nearest": (None, _lib.FLAG_NEAREST),
+    "counts_nearest": ([0, 5], _clib.FLAG_NEAREST),
+    "nearest": (None, _clib.FLAG_NEAREST),
 }
 
 
@@ -450,18 +450,18 @@ def test_lying_shapes_stay_in_bounds_general_cpu_c_level(generator, index, table
     weights = torch.rand((1, Q, H) + point_shape, generator=generator)
     out = torch.full((1, Q, H, C), float("nan"))
     grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
-    code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
+    code = _clib.INDEX_I64 if index == "i64" else _clib.INDEX_I32
     level_points = (ctypes.c_int64 * L)(*counts) if counts else None
-    args = dict(B=1, S=S, H=H, C=C, L=L, Q=Q, P=points, dtype=_lib.DTYPE_F32, index_dtype=code,
+    args = dict(B=1, S=S, H=H, C=C, L=L, Q=Q, P=points, dtype=_clib.DTYPE_F32, index_dtype=code,
                 device=-1, num_threads=2, level_points=level_points, flags=flags,
                 value=value.data_ptr(), spatial_shapes=shapes.data_ptr(),
                 level_start_index=starts.data_ptr(), sampling_locations=locations.data_ptr(),
                 attention_weights=weights.data_ptr())
-    assert _lib.lib.msda_forward(_lib.pack_args(**args, output=out.data_ptr())) == _lib.OK
-    assert _lib.lib.msda_backward(_lib.pack_args(
+    assert _clib.lib.msda_forward(_clib.pack_args(**args, output=out.data_ptr())) == _clib.OK
+    assert _clib.lib.msda_backward(_clib.pack_args(
         **args, grad_output=torch.ones_like(out).data_ptr(), grad_value=grads[0].data_ptr(),
         grad_sampling_locations=grads[1].data_ptr(),
-        grad_attention_weights=grads[2].data_ptr())) == _lib.OK
+        grad_attention_weights=grads[2].data_ptr())) == _clib.OK
     bound = weights.flatten(3).sum(-1) * value.abs().max()
     assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()
     for grad in grads:

@@ -254,8 +254,8 @@ def test_python_m_pymsda_names_a_gpu_it_cannot_serve(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(9, 0), (6, 1)][i])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Test GPU {i}")
     monkeypatch.setattr(cli, "cuda_archs", lambda: ARCHS.split())
-    monkeypatch.setattr(cli._lib.lib, "msda_has_cuda", lambda: 1)
-    monkeypatch.setattr(cli._lib.lib, "msda_cuda_version", lambda: 13000)
+    monkeypatch.setattr(cli._clib.lib, "msda_has_cuda", lambda: 1)
+    monkeypatch.setattr(cli._clib.lib, "msda_cuda_version", lambda: 13000)
     coverage = cli.info()
     out = capsys.readouterr().out
     assert [covered for _, covered, _ in coverage] == [True, False]
@@ -310,7 +310,7 @@ def test_python_m_pymsda_says_which_package_and_library_and_why(monkeypatch):
               "source checkout": "the checkout's build/ folder",
               "PYMSDA_LIBRARY": "the environment variable PYMSDA_LIBRARY"}
     loaded = os.path.realpath(pymsda.library_path())
-    origin = next(o for o, p in cli._lib.candidate_paths() if os.path.realpath(p) == loaded)
+    origin = next(o for o, p in cli._clib.candidate_paths() if os.path.realpath(p) == loaded)
     assert reason[origin] in lines
     # a source checkout says that it shadows an installed copy
     in_checkout = os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(pymsda.__file__)),
@@ -350,60 +350,105 @@ def test_wheel_is_py3_none_platform_and_carries_the_loaded_library(tmp_path, mon
     assert "Root-Is-Purelib: false" in tags and "Tag: py3-none-" in tags
 
 
-def test_args_struct_mirrors_the_header():
-    """pymsda/_lib.py's msda_args (ARGS) has the header's fields, in its order and of its types,
-    and the header's size; the hot paths' packers (the fields they set, zeros elsewhere) write
-    the bytes ARGS writes."""
-    from pymsda import _autograd, _lib
-    header = (REPO / "c" / "msda.h").read_text()
+def _letters(comment):
+    """The calls a field's comment in c/msda.h names: "F B W R. B batch, ..." -> "FBWR"."""
+    found = re.match(r"\s*((?:[FBWR]\s+)*[FBWR])\s*[.:,]", comment)
+    return "".join(found.group(1).split()) if found else None
+
+
+def _header_args_fields(header):
+    """(name, struct code, letters) of each msda_args field in c/msda.h, in order. A field's
+    letters are those of the comment on its line, else of the nearest comment above it."""
+    from pymsda import _clib
     body = re.search(r"typedef struct \{(.*?)\} msda_args;", header, re.S).group(1)
-    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    items = list(re.finditer(r"/\*(.*?)\*/|([^;/]+);", body, re.S))
+
+    def same_line(first, second):
+        return "\n" not in body[first.end():second.start()]
+
     codes = {"int64_t": "q", "int32_t": "i"}
-    fields = []
-    for declaration in body.split(";")[:-1]:
-        kind, names = re.match(r"\s*(?:const\s+)?(\w+)\s*(.*)", declaration, re.S).groups()
+    fields, above = [], None
+    for i, item in enumerate(items):
+        if item.group(1) is not None:  # a comment: on a field's line, or above the next ones
+            if not (i and items[i - 1].group(2) is not None and same_line(items[i - 1], item)):
+                above = _letters(item.group(1))
+            continue
+        after = items[i + 1] if i + 1 < len(items) else None
+        on_line = after is not None and after.group(1) is not None and same_line(item, after)
+        letters = _letters(after.group(1)) if on_line else above
+        kind, names = re.match(r"\s*(?:const\s+)?(\w+)\s*(.*)", item.group(2), re.S).groups()
         for name in names.split(","):
             pointer = name.strip().startswith("*")
-            fields.append((name.strip(" *\n"), _lib._PTR if pointer else codes[kind]))
-    assert tuple(fields) == _lib.ARGS_FIELDS
-    size = int(re.search(r"no padding .*?: (\d+)\s*\*?\s*bytes", header, re.S).group(1))
-    assert _lib.ARGS.size == size == 192
+            fields.append((name.strip(" *\n"), _clib.PTR if pointer else codes[kind], letters))
+    return tuple(fields)
 
-    values = {name: 1000 + i for i, name in enumerate(_lib.ARGS_NAMES)}
+
+def test_args_struct_mirrors_the_header():
+    """pymsda/_clib.py's one list of msda_args (ARGS_FIELDS) has the header's fields, in its
+    order, of its types, each read by the calls the header's comments name (F B W R), and the
+    header's size; the packers derived from it for the calls (the fields each call reads, zeros
+    elsewhere) write the bytes ARGS writes."""
+    from pymsda import _clib
+    header = (REPO / "c" / "msda.h").read_text()
+    assert _header_args_fields(header) == _clib.ARGS_FIELDS
+    size = int(re.search(r"no padding .*?: (\d+)\s*\*?\s*bytes", header, re.S).group(1))
+    assert _clib.ARGS.size == size == 192
+
+    values = {name: 1000 + i for i, name in enumerate(_clib.ARGS_NAMES)}
     values["reserved"] = 0
-    for packer, names in [
-            (_autograd._pack_forward, _autograd._CALL + ("output", "stream")),
-            (_autograd._pack_backward, _autograd._CALL + (
-                "grad_output", "grad_value", "grad_sampling_locations", "grad_attention_weights",
-                "workspace", "workspace_bytes", "stream")),
-            (_autograd._pack_sizes, ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device",
-                                     "flags"))]:
-        assert packer(*(values[n] for n in names)) == _lib.pack_args(
+    for call, packer in (("F", _clib.pack_forward), ("B", _clib.pack_backward),
+                         ("W", _clib.pack_workspace)):
+        names = _clib.read_by(call)
+        assert packer(*(values[n] for n in names)) == _clib.pack_args(
             **{n: values[n] for n in names})
+    assert _clib.read_by("W") == ("B", "S", "H", "C", "L", "Q", "P", "dtype", "device", "flags")
     with pytest.raises(ValueError, match="order"):
-        _lib.args_packer("S", "B")
+        _clib.args_packer("S", "B")
+
+
+def test_args_fields_are_checked_against_the_header_with_their_letters():
+    """The header parse above sees a field's letters change (so the check is not vacuous)."""
+    header = (REPO / "c" / "msda.h").read_text()
+    changed = header.replace("int32_t index_dtype; /* F B:", "int32_t index_dtype; /* F:")
+    assert changed != header
+    fields = dict((name, letters) for name, _, letters in _header_args_fields(changed))
+    assert fields["index_dtype"] == "F" and fields["num_threads"] == "FB"
+
+
+def test_dtypes_mirror_the_dtype_table():
+    """pymsda/_clib.py's DTYPES has c/dtypes.h's rows in their order: each row's msda_dtype code
+    (c/msda.h) and whether it is a half type; every torch dtype it names exists."""
+    from pymsda import _clib
+    codes = dict((name, int(code)) for name, code in re.findall(
+        r"(MSDA_\w+) = (\d+)", re.search(r"typedef enum \{(.*?)\} msda_dtype;",
+                                         (REPO / "c" / "msda.h").read_text(), re.S).group(1)))
+    rows = re.findall(r"#define MSDA_DTYPE_\d+\(X\) X\((MSDA_\w+),[^)]*, ([01])\)",
+                      (REPO / "c" / "dtypes.h").read_text())
+    assert [(codes[name], half == "1") for name, half in rows] == [
+        (code, half) for code, _, half in _clib.DTYPES]
+    assert all(isinstance(getattr(torch, name, None), torch.dtype) for _, name, _ in _clib.DTYPES)
 
 
 def test_null_args_and_a_nonzero_reserved_field_are_refused():
     """Every entry point that takes a msda_args refuses NULL (a status, or -1 from the
     queries) and a nonzero reserved field, naming itself and the cause."""
-    from pymsda import _lib
-    lib = _lib.lib
+    from pymsda import _clib
+    lib = _clib.lib
     calls = {"msda_forward": lib.msda_forward, "msda_backward": lib.msda_backward,
              "msda_backward_workspace_size": lib.msda_backward_workspace_size,
              "msda_forward_route": lambda args: lib.msda_forward_route(args, 1),
              "msda_backward_route": lambda args: lib.msda_backward_route(args, 7, 1, 132, 1)}
-    refused = {"msda_forward": _lib.ERR_INVALID_ARGUMENT,
-               "msda_backward": _lib.ERR_INVALID_ARGUMENT,
+    refused = {"msda_forward": _clib.ERR_INVALID_ARGUMENT,
+               "msda_backward": _clib.ERR_INVALID_ARGUMENT,
                "msda_backward_workspace_size": -1, "msda_forward_route": -1,
                "msda_backward_route": -1}
-    sizes = dict(B=1, S=4, H=1, C=4, L=1, Q=1, P=1, dtype=_lib.DTYPE_F32, device=-1)
+    sizes = dict(B=1, S=4, H=1, C=4, L=1, Q=1, P=1, dtype=_clib.DTYPE_F32, device=-1)
     for name, call in calls.items():
         assert call(None) == refused[name]
         assert lib.msda_last_error().decode() == f"{name}: args is NULL"
-        assert call(_lib.pack_args(**sizes, reserved=3)) == refused[name]
+        assert call(_clib.pack_args(**sizes, reserved=3)) == refused[name]
         assert lib.msda_last_error().decode() == f"{name}: reserved = 3 must be 0"
-    assert lib.msda_backward_workspace_size(_lib.pack_args(**sizes)) == 0
+    assert lib.msda_backward_workspace_size(_clib.pack_args(**sizes)) == 0
     assert lib.msda_last_error() == b""
 
 
@@ -412,16 +457,16 @@ def test_null_args_and_a_nonzero_reserved_field_are_refused():
 # would abort on and misaligned pointers: refused by msda_forward itself, naming the cause.
 
 def _call_forward(sizes, num_threads=1, pointers=None):
-    from pymsda import _lib
+    from pymsda import _clib
     buffer = torch.zeros(64, dtype=torch.float64)
     p = buffer.data_ptr()
     ptrs = pointers or [p] * 6
     names = ("value", "spatial_shapes", "level_start_index", "sampling_locations",
              "attention_weights", "output")
-    status = _lib.lib.msda_forward(_lib.pack_args(
-        **dict(zip("BSHCLQP", sizes)), dtype=_lib.DTYPE_F32, index_dtype=_lib.INDEX_I64,
+    status = _clib.lib.msda_forward(_clib.pack_args(
+        **dict(zip("BSHCLQP", sizes)), dtype=_clib.DTYPE_F32, index_dtype=_clib.INDEX_I64,
         device=-1, num_threads=num_threads, **dict(zip(names, ptrs))))
-    return status, _lib.lib.msda_last_error().decode()
+    return status, _clib.lib.msda_last_error().decode()
 
 
 @pytest.mark.parametrize("sizes,needle", [
@@ -436,25 +481,25 @@ def _call_forward(sizes, num_threads=1, pointers=None):
 ], ids=["B_S", "value_bytes", "output", "locations", "levels", "negative_B", "negative_Q",
         "zero_H"])
 def test_c_library_refuses_sizes_it_cannot_index(sizes, needle):
-    from pymsda import _lib
+    from pymsda import _clib
     status, text = _call_forward(sizes)
-    assert status == _lib.ERR_INVALID_ARGUMENT and needle in text, text
+    assert status == _clib.ERR_INVALID_ARGUMENT and needle in text, text
 
 
 def test_c_library_refuses_a_thread_count_openmp_would_abort_on():
-    from pymsda import _lib
+    from pymsda import _clib
     status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), num_threads=2 ** 31 - 1)
-    assert status == _lib.ERR_INVALID_ARGUMENT and "num_threads" in text, text
+    assert status == _clib.ERR_INVALID_ARGUMENT and "num_threads" in text, text
     status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), num_threads=0)  # the OpenMP default
-    assert status == _lib.OK and text == ""
+    assert status == _clib.OK and text == ""
 
 
 @pytest.mark.parametrize("which,name", [(0, "value"), (1, "spatial_shapes"),
                                         (3, "sampling_locations"), (5, "output")])
 def test_c_library_refuses_misaligned_pointers(which, name):
-    from pymsda import _lib
+    from pymsda import _clib
     buffer = torch.zeros(64, dtype=torch.float64)
     pointers = [buffer.data_ptr()] * 6
     pointers[which] += 2  # element-aligned for nothing but 2-byte types
     status, text = _call_forward((1, 4, 1, 1, 1, 1, 1), pointers=pointers)
-    assert status == _lib.ERR_INVALID_ARGUMENT and name in text and "aligned" in text, text
+    assert status == _clib.ERR_INVALID_ARGUMENT and name in text and "aligned" in text, text

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _lib
+from pymsda import _clib
 from conftest import requires_cuda
 from factories import SMALL_SIZES, oracle_forward, rel_l2, run_msda, small_inputs
 
@@ -104,25 +104,25 @@ def test_lying_shapes_stay_in_bounds_cpu_c_level(generator, index, table, derive
     index_dtype = torch.int64 if index == "i64" else torch.int32
     shapes = torch.tensor(table[0], dtype=index_dtype)
     starts = torch.tensor(table[1], dtype=index_dtype)
-    code = _lib.INDEX_I64 if index == "i64" else _lib.INDEX_I32
+    code = _clib.INDEX_I64 if index == "i64" else _clib.INDEX_I32
     if derived:
-        assert _lib.lib.msda_level_starts(L, S, code, -1, shapes.data_ptr(), starts.data_ptr(),
-                                          None) == _lib.OK
+        assert _clib.lib.msda_level_starts(L, S, code, -1, shapes.data_ptr(), starts.data_ptr(),
+                                          None) == _clib.OK
     starts_ptr = starts.data_ptr()
     value = torch.randn(1, S, H, C, generator=generator)
     locations = torch.rand(1, 40, H, L, P, 2, generator=generator) * 1.4 - 0.2
     weights = torch.rand(1, 40, H, L, P, generator=generator)
     out = torch.full((1, 40, H, C), float("nan"))
     grads = [torch.full(t.shape, float("nan")) for t in (value, locations, weights)]
-    args = dict(B=1, S=S, H=H, C=C, L=L, Q=40, P=P, dtype=_lib.DTYPE_F32, index_dtype=code,
+    args = dict(B=1, S=S, H=H, C=C, L=L, Q=40, P=P, dtype=_clib.DTYPE_F32, index_dtype=code,
                 device=-1, num_threads=2, value=value.data_ptr(),
                 spatial_shapes=shapes.data_ptr(), level_start_index=starts_ptr,
                 sampling_locations=locations.data_ptr(), attention_weights=weights.data_ptr())
-    assert _lib.lib.msda_forward(_lib.pack_args(**args, output=out.data_ptr())) == _lib.OK
-    assert _lib.lib.msda_backward(_lib.pack_args(
+    assert _clib.lib.msda_forward(_clib.pack_args(**args, output=out.data_ptr())) == _clib.OK
+    assert _clib.lib.msda_backward(_clib.pack_args(
         **args, grad_output=torch.ones_like(out).data_ptr(), grad_value=grads[0].data_ptr(),
         grad_sampling_locations=grads[1].data_ptr(),
-        grad_attention_weights=grads[2].data_ptr())) == _lib.OK
+        grad_attention_weights=grads[2].data_ptr())) == _clib.OK
     bound = weights.abs().sum((-1, -2)) * value.abs().max()
     assert (out.abs().amax(-1) <= bound * 1.0001 + 1e-6).all()
     for grad in grads:
@@ -204,9 +204,9 @@ def test_validate_flag_and_environment_variable_accepted_on_cpu(generator, monke
 
 def test_environment_variable_is_read_on_every_call(monkeypatch):
     # The op reads PYMSDA_VALIDATE through libc's getenv, which os.environ writes through
-    # (pymsda/_tables.py, _validating):
+    # (pymsda/_args.py, _validating):
     # setting, changing and removing it after import must all count.
-    from pymsda._tables import _validating
+    from pymsda._args import _validating
     monkeypatch.delenv("PYMSDA_VALIDATE", raising=False)
     assert not _validating(False)
     monkeypatch.setenv("PYMSDA_VALIDATE", "1")

@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 import pymsda
-from pymsda import _lib
+from pymsda import _clib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -52,7 +52,7 @@ def test_one_openmp_runtime_with_torch_and_the_kernels_use_it(generator):
     loc = torch.rand(2, 300, 4, 2, 4, 2, generator=generator)
     attn = torch.rand(2, 300, 4, 2, 4, generator=generator)
     pymsda.ms_deform_attn(value, [(20, 20), (10, 10)], None, loc, attn)  # a parallel call
-    used = _lib.lib.msda_openmp_runtime().decode()
+    used = _clib.lib.msda_openmp_runtime().decode()
     with open("/proc/self/maps") as maps:
         mapped = {os.path.realpath(line.split()[-1]) for line in maps
                   if re.search(r"/lib(gomp|omp|iomp5)[^/]*\.so", line)}
@@ -78,7 +78,7 @@ NO_TORCH = textwrap.dedent("""
     assert rel_l2(sess.run(None, feed)[0], oracle_of(feed)) < 1e-6
     maps = open("/proc/self/maps").read()
     assert "torch" not in maps
-    print("runtime", pymsda._lib.lib.msda_openmp_runtime().decode())
+    print("runtime", pymsda._clib.lib.msda_openmp_runtime().decode())
 """)
 
 

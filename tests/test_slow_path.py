@@ -17,53 +17,53 @@ import pytest
 import torch
 
 import pymsda
-from pymsda import _autograd, _lib
+from pymsda import _op, _clib
 from conftest import REPO, requires_cuda
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """The once-per-process state, reset for the test; the environment switch unset."""
-    monkeypatch.setattr(_autograd, "_slow_path_warned", False)
-    monkeypatch.delenv(_autograd.REQUIRE_KERNELS, raising=False)
+    monkeypatch.setattr(_op, "_slow_path_warned", False)
+    monkeypatch.delenv(_op.REQUIRE_KERNELS, raising=False)
     return monkeypatch
 
 
 def test_library_without_cuda_kernels_warns_once_naming_the_build(fresh, recwarn):
-    fresh.setattr(_lib, "has_cuda_kernels", False)
-    _autograd._slow_path(torch.device("cuda", 0))
-    _autograd._slow_path(torch.device("cuda", 0))
+    fresh.setattr(_clib, "has_cuda_kernels", False)
+    _op.slow_path(torch.device("cuda", 0))
+    _op.slow_path(torch.device("cuda", 0))
     warned = [w for w in recwarn if issubclass(w.category, pymsda.SlowPathWarning)]
     assert len(warned) == 1
     text = str(warned[0].message)
-    assert "built without CUDA kernels" in text and _lib.path in text
+    assert "built without CUDA kernels" in text and _clib.path in text
     assert "make && pip install ." in text and "PYMSDA_REQUIRE_KERNELS=1" in text
 
 
 def test_gpu_the_kernels_do_not_run_on_names_the_library_reason_and_its_arch(fresh, recwarn):
-    fresh.setattr(_lib, "has_cuda_kernels", True)
-    fresh.setattr(_lib, "unserved_cuda",
+    fresh.setattr(_clib, "has_cuda_kernels", True)
+    fresh.setattr(_clib, "unserved_cuda",
                   {3: "msda_cuda_runs_on: the kernels (sm_100 compute_100) cannot run"})
     fresh.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
-    _autograd._slow_path(torch.device("cuda", 3))
+    _op.slow_path(torch.device("cuda", 3))
     text = str(recwarn.pop(pymsda.SlowPathWarning).message)
     assert "cuda:3" in text and "sm_100 compute_100" in text
     assert "make CUDA_ARCHS=86" in text and "driver" in text
 
 
 def test_require_kernels_raises_on_every_call(fresh):
-    fresh.setattr(_lib, "has_cuda_kernels", False)
-    fresh.setenv(_autograd.REQUIRE_KERNELS, "1")
+    fresh.setattr(_clib, "has_cuda_kernels", False)
+    fresh.setenv(_op.REQUIRE_KERNELS, "1")
     for _ in range(2):
         with pytest.raises(RuntimeError, match="pure-PyTorch path"):
-            _autograd._slow_path(torch.device("cuda", 0))
-    fresh.setenv(_autograd.REQUIRE_KERNELS, "0")  # "0" (or empty): a warning again
+            _op.slow_path(torch.device("cuda", 0))
+    fresh.setenv(_op.REQUIRE_KERNELS, "0")  # "0" (or empty): a warning again
     with pytest.warns(pymsda.SlowPathWarning):
-        _autograd._slow_path(torch.device("cuda", 0))
+        _op.slow_path(torch.device("cuda", 0))
 
 
 def test_cpu_calls_never_warn(recwarn, fresh):
-    fresh.setenv(_autograd.REQUIRE_KERNELS, "1")
+    fresh.setenv(_op.REQUIRE_KERNELS, "1")
     value = torch.randn(1, 6, 1, 4)
     loc, attn = torch.rand(1, 2, 1, 1, 1, 2), torch.rand(1, 2, 1, 1, 1)
     pymsda.ms_deform_attn(value, [(2, 3)], None, loc, attn)
@@ -71,14 +71,14 @@ def test_cpu_calls_never_warn(recwarn, fresh):
 
 
 def test_library_says_whether_its_kernels_run_on_a_device():
-    count = _lib.lib.msda_cuda_device_count()
-    assert _lib.lib.msda_cuda_runs_on(count) == 0  # one past the last device
-    text = _lib.lib.msda_last_error().decode()
-    if _lib.lib.msda_has_cuda():
+    count = _clib.lib.msda_cuda_device_count()
+    assert _clib.lib.msda_cuda_runs_on(count) == 0  # one past the last device
+    text = _clib.lib.msda_last_error().decode()
+    if _clib.lib.msda_has_cuda():
         assert f"no CUDA device {count}" in text
     else:
         assert "no CUDA kernels" in text
-    assert _lib.lib.msda_cuda_runs_on(-1) == 0
+    assert _clib.lib.msda_cuda_runs_on(-1) == 0
 
 
 # ---- on a GPU: a library that cannot serve it, in a subprocess -------------------------------
@@ -118,11 +118,11 @@ def _build(tmp_path, name, *make_args):
     return str(build / "libpymsda.so")
 
 
-def _run(library, strict=False):
-    env = {k: v for k, v in os.environ.items() if k != _autograd.REQUIRE_KERNELS}
+def run(library, strict=False):
+    env = {k: v for k, v in os.environ.items() if k != _op.REQUIRE_KERNELS}
     env["PYMSDA_LIBRARY"] = library
     if strict:
-        env[_autograd.REQUIRE_KERNELS] = "1"
+        env[_op.REQUIRE_KERNELS] = "1"
     done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -130,11 +130,11 @@ def _run(library, strict=False):
 
 
 def _check_slow_path(library, cause):
-    seen = _run(library)
+    seen = run(library)
     assert seen["WARNINGS"] == "1"  # two calls, one warning
     assert seen["SAME"] == "True True"  # the pure-PyTorch result, with gradients
     assert cause in seen["TEXT"] and "PYMSDA_REQUIRE_KERNELS=1" in seen["TEXT"]
-    raised = _run(library, strict=True)
+    raised = run(library, strict=True)
     assert "RAISED" in raised and cause in raised["RAISED"]
 
 

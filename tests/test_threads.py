@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from pymsda import _lib
+from pymsda import _clib
 from conftest import requires_cuda
 from factories import GRAD_NAMES, make_inputs, random_grad_output, run_msda
 
@@ -88,8 +88,8 @@ def test_four_threads_give_the_serial_results_cpu(generator, dtype, torch_thread
 def _fail(lib, channels, dtype_code):
     buffer = torch.zeros(16, dtype=torch.float64)
     p = buffer.data_ptr()
-    return lib.msda_forward(_lib.pack_args(
-        B=1, S=4, H=1, C=channels, L=1, Q=1, P=1, dtype=dtype_code, index_dtype=_lib.INDEX_I64,
+    return lib.msda_forward(_clib.pack_args(
+        B=1, S=4, H=1, C=channels, L=1, Q=1, P=1, dtype=dtype_code, index_dtype=_clib.INDEX_I64,
         device=-1, num_threads=1, value=p, spatial_shapes=p, level_start_index=p,
         sampling_locations=p, attention_weights=p, output=p))
 
@@ -97,7 +97,7 @@ def _fail(lib, channels, dtype_code):
 def test_last_error_text_is_per_thread():
     # Thread A fails with C = 0, thread B with dtype code 7; both fail before either reads its
     # text, so a shared buffer would show one of them the other's message.
-    lib = _lib.lib
+    lib = _clib.lib
     fail_both = threading.Barrier(2)
     texts = {"A": [], "B": []}
 
@@ -110,19 +110,19 @@ def test_last_error_text_is_per_thread():
                 fail_both.wait()
         return run
 
-    run_in_threads(body("A", 0, _lib.DTYPE_F32), body("B", 1, 7))
-    assert all(s == _lib.ERR_INVALID_ARGUMENT and "size C" in t for s, t in texts["A"])
-    assert all(s == _lib.ERR_INVALID_ARGUMENT and "dtype code 7" in t for s, t in texts["B"])
+    run_in_threads(body("A", 0, _clib.DTYPE_F32), body("B", 1, 7))
+    assert all(s == _clib.ERR_INVALID_ARGUMENT and "size C" in t for s, t in texts["A"])
+    assert all(s == _clib.ERR_INVALID_ARGUMENT and "dtype code 7" in t for s, t in texts["B"])
 
 
 def test_success_in_one_thread_does_not_clear_another_threads_error(generator):
-    lib = _lib.lib
+    lib = _clib.lib
     inputs = make_inputs(generator, 1, 4, 2, 3, [(3, 3)], 2)
     failed, succeeded = threading.Event(), threading.Event()
     seen = []
 
     def failing():
-        _fail(lib, 0, _lib.DTYPE_F32)
+        _fail(lib, 0, _clib.DTYPE_F32)
         failed.set()
         succeeded.wait(10)
         seen.append(lib.msda_last_error().decode())
@@ -146,9 +146,9 @@ def test_refused_calls_in_one_thread_leave_another_threads_results_alone(generat
         for _ in range(ROUNDS * 5):
             with pytest.raises(ValueError, match="sampling_locations"):
                 run_msda(inputs, sampling_locations=bad)
-            status = _fail(_lib.lib, 1, 9)
-            assert status == _lib.ERR_INVALID_ARGUMENT
-            assert "dtype code 9" in _lib.lib.msda_last_error().decode()
+            status = _fail(_clib.lib, 1, 9)
+            assert status == _clib.ERR_INVALID_ARGUMENT
+            assert "dtype code 9" in _clib.lib.msda_last_error().decode()
 
     def compute():
         for _ in range(ROUNDS):

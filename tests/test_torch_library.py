@@ -37,7 +37,7 @@ except ImportError:
     has_export = False
 requires_export = requires_torch_feature(has_export, "torch.export.export")
 
-FLAG_NEAREST = pymsda._lib.FLAG_NEAREST
+FLAG_NEAREST = pymsda._clib.FLAG_NEAREST
 
 
 def op_arguments(generator, device, variant, dtype=torch.float64):

@@ -34,9 +34,7 @@ def test_private_accessors_answer_with_or_without_the_private_api(monkeypatch):
     assert _torch_private._public_tracing_state() is None  # not tracing here
     assert _torch_private.jit_tracing_state() is None
     assert _torch_private.dispatch_mode_depth() == 0
-    assert _torch_private.tracing() is False
-    plain = torch.zeros(1)
-    assert _torch_private.traced(plain, plain, plain) is False
+    assert _torch_private.recording() == 0  # nothing records here
     monkeypatch.setattr(_torch_private, "functorch_active", None)
     assert _torch_private.direct_apply(torch.autograd.Function) is None
     monkeypatch.setattr(_torch_private, "_storage_use_count", None)

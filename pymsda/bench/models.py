@@ -48,7 +48,7 @@ import warnings
 
 import torch
 
-from .. import _autograd
+from .. import _op
 from .options import checked_device, comma_list, default_device
 from .report import environment, write_json
 from .timing import percentiles
@@ -176,19 +176,19 @@ BUILDERS = {"hf_ddetr": build_hf_ddetr, "hf_rtdetr": build_hf_rtdetr,
 def counting_library_calls():
     """Counts the calls into libpymsda's msda_forward and msda_backward while the block runs."""
     counts = {"forward": 0, "backward": 0}
-    originals = _autograd._forward_c, _autograd._backward_c
+    originals = _op.c_forward, _op.c_backward
 
     def counter(entry, key):
         def counted(*args):
             counts[key] += 1
             return entry(*args)
         return counted
-    _autograd._forward_c = counter(originals[0], "forward")
-    _autograd._backward_c = counter(originals[1], "backward")
+    _op.c_forward = counter(originals[0], "forward")
+    _op.c_backward = counter(originals[1], "backward")
     try:
         yield counts
     finally:
-        _autograd._forward_c, _autograd._backward_c = originals
+        _op.c_forward, _op.c_backward = originals
 
 
 def _synchronize(device):

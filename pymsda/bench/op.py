@@ -49,7 +49,7 @@ from ..reference import ms_deform_attn_pytorch, rel_l2
 from . import timing
 from .inputs import load_shapes, make_inputs
 from .options import DTYPES, default_device
-from .report import ERROR_KEYS, GRAD_KEYS, PASSES, _number, environment
+from .report import ERROR_KEYS, GRAD_KEYS, PASSES, number_text, environment
 from .timing import failure as _failure, free as _free, pass_calls, time_ms, time_ms_alternated
 
 
@@ -61,8 +61,6 @@ def _pymsda_deterministic(value, spatial_shapes, sampling_locations, attention_w
     return ms_deform_attn(value, spatial_shapes, None, sampling_locations, attention_weights,
                           deterministic=True)
 
-
-IMPLEMENTATIONS = {"pymsda": _pymsda, "reference": ms_deform_attn_pytorch}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +304,7 @@ def _log_group(log, group):
                       + (f" ({r['speedup']:.1f}x)" if r["speedup"] else "") for r in group)
     rounding = errors.get("value_rounding_forward")
     half = errors.get("all_half_grad_value")
-    log(f"{group[0]['shape']} {group[0]['dtype']}: {times}  | fwd error {_number(errors['forward'])}"
-        + (f" (value's rounding alone {_number(rounding)})" if rounding else "")
-        + (f", grad_value {_number(errors['grad_value'])} (all-half call {_number(half)})"
+    log(f"{group[0]['shape']} {group[0]['dtype']}: {times}  | fwd error {number_text(errors['forward'])}"
+        + (f" (value's rounding alone {number_text(rounding)})" if rounding else "")
+        + (f", grad_value {number_text(errors['grad_value'])} (all-half call {number_text(half)})"
            if half else ""))

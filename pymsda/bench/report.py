@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from .. import _lib, library_path
+from .. import _clib, library_path
 
 PASSES = ("fwd", "bwd", "fwdbwd")
 ERROR_KEYS = ("forward", "reference_forward", "grad_value", "grad_loc", "grad_attn",
@@ -32,7 +32,7 @@ def _overhead_label(key):
 # output
 
 
-def _number(x, fmt=".1e"):
+def number_text(x, fmt=".1e"):
     return "n/a" if x is None else format(x, fmt)
 
 
@@ -76,14 +76,14 @@ def format_table(result, wide=False):
                 " ".join((row["shape"], row["dtype"], row["pass"])))
         all_half = [timed(row, "all_half") if row.get("all_half_ms") else "n/a"] if half else []
         if wide:
-            shown = [_number(errors[k]) for k in ERROR_KEYS] + (
-                [_number(errors.get("all_half_grad_value"))] if half else [])
+            shown = [number_text(errors[k]) for k in ERROR_KEYS] + (
+                [number_text(errors.get("all_half_grad_value"))] if half else [])
         else:
-            shown = [_number(errors["forward"]), _number(errors["reference_forward"]),
-                     _number(_worst(errors, "")), _number(_worst(errors, "reference_"))]
+            shown = [number_text(errors["forward"]), number_text(errors["reference_forward"]),
+                     number_text(_worst(errors, "")), number_text(_worst(errors, "reference_"))]
         lines.append([row["shape"] if first else "", row["dtype"] if first else "", row["pass"],
                       timed(row, "pymsda"), *all_half, reference,
-                      _number(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
+                      number_text(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
                       *(shown if first else [""] * len(shown))])
     widths = [max(len(cells[i]) for cells in lines + [header]) for i in range(len(header))]
     text = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w)
@@ -139,13 +139,13 @@ def format_markdown(result):
             if r is None:
                 cells += ["", "", ""]
                 continue
-            ref = _number(r["reference_ms"], ".3f") if r["reference_ms"] is not None else "n/a"
+            ref = number_text(r["reference_ms"], ".3f") if r["reference_ms"] is not None else "n/a"
             cells += [f"{r['pymsda_ms']:.3f}", ref,
-                      _number(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
+                      number_text(r["speedup"], ".1f") + ("x" if r["speedup"] else "")]
         errors = next(iter(rows.values()))["errors"]
-        cells += [_number(errors["forward"]), _number(errors["reference_forward"]),
-                  " / ".join(_number(errors[k]) for k in GRAD_KEYS),
-                  " / ".join(_number(errors["reference_" + k]) for k in GRAD_KEYS)]
+        cells += [number_text(errors["forward"]), number_text(errors["reference_forward"]),
+                  " / ".join(number_text(errors[k]) for k in GRAD_KEYS),
+                  " / ".join(number_text(errors["reference_" + k]) for k in GRAD_KEYS)]
         lines.append("| " + " | ".join(cells) + " |")
     overhead = result.get("overhead")
     if overhead:
@@ -201,7 +201,7 @@ def environment(device, command=None):
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
-    built = _lib.lib.msda_cuda_version() if _lib.lib.msda_has_cuda() else 0
+    built = _clib.lib.msda_cuda_version() if _clib.lib.msda_has_cuda() else 0
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": name,
@@ -235,7 +235,7 @@ def _command_output(argv, cwd=None):
 def _git_commit():
     """The short commit of the checkout this package was imported from, "-dirty" when tracked files
     differ from it; "n/a" for an installed package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     top = _command_output(["git", "rev-parse", "--show-toplevel"], root)
     if not top or os.path.realpath(top) != os.path.realpath(root):
         return "n/a"

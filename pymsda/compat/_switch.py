@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .._torch_private import script_unsupported_because as _script_unsupported
-from .._trace import _options as _onnx_options
+from .._trace import options as _onnx_options
 
 # (module name, attribute) -> (the project's original, what replaced it)
 _SWITCHED = {}

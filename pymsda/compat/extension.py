@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import _lib, ops
+from .. import _clib as _lib, ops
 from .._torch_private import script_unsupported_because as _script_unsupported
 from ..ops import ms_deform_attn
 

@@ -1,17 +1,23 @@
-"""spatial_shapes and level_start_index as the C library takes them: one device, one index dtype,
-checked against value where their numbers can be read without a device synchronisation, and
-cached, so a model's calls with the same shapes cost a dictionary lookup. Also the per-level
-point counts (num_points_list) as the ctypes table the library takes, cached the same way."""
+"""The arguments of a call as the C library takes them: every argument checked, the level
+tables prepared (one device, one index dtype, checked against value where their numbers can be
+read without a device synchronisation, and cached, so a model's calls with the same shapes cost
+a dictionary lookup), the per-level point counts as the ctypes table the library takes, the
+tensors made contiguous and aligned. The common call (tensors of one dtype in the plain layout,
+level tables seen before) is answered in one pass (common); anything else goes on to the
+checks, which name what is wrong, and to the preparation of what is new (prepare)."""
 import ctypes
 
 import torch
 
-from ._checks import (_INDEX_CODE, _aligned_contiguous, _check_pairs, _check_positive,
-                      _check_shapes_tensor, _check_start_index_tensor, _point_counts)
-from ._lib import check as _check, lib, \
+from . import _clib
+from ._checks import (DTYPE_CODE, HALF_DTYPES as _HALF, INDEX_CODE, MAX_ELEMENTS,
+                      aligned_contiguous, check_levels, check_min_sizes, check_pairs,
+                      check_positive, check_sampling, check_shapes_tensor, check_sizes,
+                      check_start_index_tensor, check_starts, check_tensors, check_total,
+                      elements_fit, point_counts)
+from ._clib import check as _check, getenv as _getenv, lib, served_cuda as _served_cuda, \
     serves_cuda as _serves_cuda
-from ._lib import getenv as _getenv
-from ._torch_private import current_raw_stream as _current_stream, tracing as _tracing
+from ._torch_private import FAKE, current_raw_stream as _current_stream, recording
 
 _Tensor = torch.Tensor
 
@@ -36,7 +42,7 @@ class BoundedCache(dict):
 _level_points_cache = BoundedCache(256)  # (num_points_list as a tuple, L) -> (total, ctypes table)
 
 
-def _level_points(num_points_list, L):
+def level_points_table(num_points_list, L):
     """num_points_list checked against L, as (total points, ctypes int64 array, kept alive)."""
     try:
         key = (tuple(num_points_list), L)
@@ -44,7 +50,7 @@ def _level_points(num_points_list, L):
     except TypeError:
         key = hit = None
     if hit is None:
-        counts = _point_counts(num_points_list, L)
+        counts = point_counts(num_points_list, L)
         hit = (sum(counts), (ctypes.c_int64 * L)(*counts))
         if key is not None:
             _level_points_cache.put(key, hit)
@@ -74,7 +80,7 @@ class _Levels:
     def __init__(self, shapes, starts, host, host_starts=None, total=None):
         self.shapes, self.starts, self.host = shapes, starts, host
         self.host_starts, self.total = host_starts, total
-        self.index_code = _INDEX_CODE[shapes.dtype]
+        self.index_code = INDEX_CODE[shapes.dtype]
         self.L = shapes.shape[0]
         self.pointers = None  # (shapes, starts) data pointers, read at the first library call
 
@@ -86,12 +92,20 @@ class _Levels:
         return self.pointers
 
 
-def _starts_of(pairs):
+def level_starts(spatial_shapes):
+    """level_start_index of spatial_shapes, by the rule of c/msda.h's msda_level_starts: start_l
+    = sum over j < l of H_j * W_j. (H, W) pairs give a list of ints; an (L, 2) integer tensor
+    gives an (L,) int64 tensor on its device, computed by torch operators that a tracer records
+    (a traced or exported graph derives the starts as it runs). The C function also caps the
+    starts of tables that overrun S (they read nothing there); tables checked here do not."""
+    if isinstance(spatial_shapes, torch.Tensor):
+        sizes = spatial_shapes[:, 0] * spatial_shapes[:, 1]
+        return torch.cumsum(sizes, 0) - sizes
     starts, total = [], 0
-    for h, w in pairs:
+    for h, w in spatial_shapes:
         starts.append(total)
         total += h * w
-    return starts, total
+    return starts
 
 
 # Level tables built from host-side shapes, per (pairs, device, dtype): a list of shapes is then
@@ -103,7 +117,8 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
     key = (pairs, device, dtype)
     levels = _level_cache.get(key)
     if levels is None:
-        starts, total = _starts_of(pairs)
+        starts = level_starts(pairs)
+        total = starts[-1] + pairs[-1][0] * pairs[-1][1]
         shapes = torch.tensor(pairs, dtype=dtype).reshape(len(pairs), 2)
         starts_tensor = torch.tensor(starts, dtype=dtype)
         if device.type != "cpu":
@@ -117,7 +132,7 @@ def _levels_from_host(pairs, device, dtype=torch.int64):
                     "spatial_shapes and level_start_index as tensors on the device")
             shapes, starts_tensor = shapes.to(device), starts_tensor.to(device)
         levels = _Levels(shapes, starts_tensor, pairs, starts, total)
-        if not _tracing():  # under a fake mode these tensors are fake: never keep them
+        if not recording() & FAKE:  # under a fake mode these tensors are fake: never keep them
             _level_cache.put(key, levels)
     return levels
 
@@ -135,8 +150,8 @@ def _levels_from_list(spatial_shapes, device):
     except TypeError:  # not a sequence of sequences, or unhashable: let the check say why
         key = levels = None
     if levels is None:
-        levels = _levels_from_host(_check_pairs(spatial_shapes), device)
-        if key is not None and not _tracing():
+        levels = _levels_from_host(check_pairs(spatial_shapes), device)
+        if key is not None and not recording() & FAKE:
             _list_levels_cache.put(key, levels)
     return levels
 
@@ -145,14 +160,14 @@ def _host_pairs(spatial_shapes, device, validate=False):
     """A spatial_shapes tensor as a tuple of (H, W) int pairs, checked; None when it lives on
     the device that runs the op and reading it there would synchronise (unless validate asks
     for exactly that), or on meta."""
-    _check_shapes_tensor(spatial_shapes, device)
+    check_shapes_tensor(spatial_shapes, device)
     if spatial_shapes.device.type == "meta":
         return None
     if (spatial_shapes.device.type != "cpu" and device.type != "cpu"
             and not _validating(validate)):
         return None
     pairs = tuple(tuple(p) for p in spatial_shapes.tolist())
-    _check_positive(pairs)
+    check_positive(pairs)
     return pairs
 
 
@@ -211,7 +226,7 @@ def _prepare_levels(spatial_shapes, level_start_index, S, device, validate=False
     # Not while validation asks to read device tables on every call, nor while tracing.
     if (type(spatial_shapes) is _Tensor
             and (level_start_index is None or type(level_start_index) is _Tensor)
-            and not _tracing() and (levels.host is not None or not _validating(validate))):
+            and not recording() & FAKE and (levels.host is not None or not _validating(validate))):
         _remember_tensor_levels(spatial_shapes, level_start_index, device, levels)
     return levels
 
@@ -224,42 +239,36 @@ def _prepare_levels_uncached(spatial_shapes, level_start_index, S, device, valid
         levels = _levels_from_list(spatial_shapes, device)
         pairs = levels.host
     if levels is not None and levels.total != S:
-        raise ValueError(
-            f"spatial_shapes {list(pairs)} cover sum(H*W) = {levels.total} positions but value "
-            f"has S = {S} (value.shape[1])")
+        check_total(pairs, S)  # raises
     L = len(pairs) if pairs is not None else spatial_shapes.shape[0]
 
     if level_start_index is not None:
         if not isinstance(level_start_index, torch.Tensor):
             level_start_index = torch.as_tensor(level_start_index)
-        _check_start_index_tensor(level_start_index, L, device)
+        check_start_index_tensor(level_start_index, L, device)
         # Read it where that costs no device synchronisation (or validate asks for one).
         if levels is not None and (
                 level_start_index.device.type == "cpu" or device.type == "cpu" or (
                 level_start_index.device.type != "meta" and _validating(validate))):
-            given = level_start_index.tolist()
-            if given != levels.host_starts:
-                raise ValueError(f"level_start_index {given} does not match spatial_shapes "
-                                 f"{list(pairs)}: expected {levels.host_starts}")
+            check_starts(level_start_index.tolist(), pairs, levels.host_starts)
 
     if levels is not None:
         return levels
 
     # The shapes live on the value's device: reading them here would synchronise, so nothing
     # does; the kernels bounds-check every read instead.
-    shapes = _aligned_contiguous(spatial_shapes.to(device))
+    shapes = aligned_contiguous(spatial_shapes.to(device))
     if level_start_index is not None:
-        starts = _aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
-    elif device.type == "cuda" and _serves_cuda(device.index) and not _tracing():
+        starts = aligned_contiguous(level_start_index.to(device=device, dtype=shapes.dtype))
+    elif device.type == "cuda" and _serves_cuda(device.index) and not recording() & FAKE:
         # derived on the device by one small kernel (c/msda.h), afresh on every call, so that
         # a change of the shapes' numbers is followed
         starts = torch.empty(shapes.shape[0], dtype=shapes.dtype, device=device)
-        _check(lib.msda_level_starts(shapes.shape[0], S, _INDEX_CODE[shapes.dtype],
+        _check(lib.msda_level_starts(shapes.shape[0], S, INDEX_CODE[shapes.dtype],
                                      device.index, shapes.data_ptr(), starts.data_ptr(),
                                      _current_stream(device.index)))
     else:  # meta tensors, or a device the library does not serve
-        sizes = shapes[:, 0] * shapes[:, 1]
-        starts = torch.cumsum(sizes, 0) - sizes
+        starts = level_starts(shapes)
     return _Levels(shapes, starts, None)
 
 
@@ -271,6 +280,138 @@ def shapes_tensor(spatial_shapes, device: torch.device):
     MSDeformAttn, which compiles only the first branch: spatial_shapes is a tensor there.)"""
     if isinstance(spatial_shapes, torch.Tensor):
         return spatial_shapes
-    if _tracing():
+    if recording() & FAKE:
         return torch.as_tensor(spatial_shapes, device=device)
     return _levels_from_list(spatial_shapes, torch.device(device)).shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# the call
+
+def prepare(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            validate=False, num_points_list=None, flags=0):
+    """Checks every argument (after common() found the call unusual, or for the torch.library
+    ops' implementations); returns (value, sampling_locations, attention_weights, call) as the
+    C library takes them, call = (levels, sizes, level_points, flags). validate: also read
+    shape tables that live on the GPU and check them (a device synchronisation). With
+    num_points_list, sampling_locations is (B, Q, H, sum(num_points_list), 2) and
+    attention_weights (B, Q, H, sum(num_points_list)); P is then that sum and level_points the
+    ctypes table of counts (None without num_points_list)."""
+    per_level = num_points_list is None
+    B, S, H, C, Q, P, L = check_tensors(value, sampling_locations, attention_weights, per_level)
+    levels = _prepare_levels(spatial_shapes, level_start_index, S, value.device, validate)
+    L_tables = levels.L
+    lp = None
+    if not per_level:
+        total, lp = level_points_table(num_points_list, L_tables)
+        L = check_levels(L_tables, L, P, num_points_list, sampling_locations, total)
+    elif L_tables != L:
+        check_levels(L_tables, L, P, None, sampling_locations)  # raises
+    if C < 1 or H < 1 or L < 1 or P < 1:
+        check_min_sizes(H, C, L, P)  # raises
+    if not elements_fit(B, S, H, C, L, Q, P):
+        check_sizes(B, S, H, C, L if per_level else 1, Q, P)
+
+    loc, attn = points_as_read(value.dtype, sampling_locations, attention_weights)
+    value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
+    # One alignment test for the three (the larger element size, the points'): a misaligned
+    # one is rare (only torch.frombuffer makes one), so the common call reads each pointer once.
+    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
+        value, loc, attn = aligned_contiguous(value), aligned_contiguous(loc), \
+            aligned_contiguous(attn)
+    if loc.dtype is not value.dtype:
+        flags |= _clib.FLAG_POINTS_F32
+    return value, loc, attn, (levels, (B, S, H, C, L, Q, P), lp, flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# the dtypes the points are read in
+
+_F32 = torch.float32
+
+
+def points_dtype(dtype, loc_dtype, attn_dtype):
+    """The dtype rule (ms_deform_attn's docstring, docs/numerics.md): the dtype in which the op
+    reads sampling_locations and attention_weights with a value of dtype `dtype`. That dtype
+    when both have it, else float32 with a half value, else `dtype`. So autocast's float32
+    points are read as float32, a narrower point dtype is widened, and nothing is rounded to
+    half precision on the way in; a half value with float32 points is the C library's
+    MSDA_POINTS_F32."""
+    if loc_dtype is dtype and attn_dtype is dtype:
+        return dtype
+    return _F32 if dtype in _HALF else dtype
+
+
+def points_as_read(dtype, loc, attn):
+    """sampling_locations and attention_weights in the dtype the op reads them in (points_dtype)
+    with a value of dtype `dtype`."""
+    to = points_dtype(dtype, loc.dtype, attn.dtype)
+    return loc if loc.dtype is to else loc.to(to), attn if attn.dtype is to else attn.to(to)
+
+
+# ---------------------------------------------------------------------------------------------
+# the common call, in one pass
+
+def common(value, spatial_shapes, level_start_index, loc, attn, flags):
+    """The common call (tensors in the plain layout on a device the library serves, the points
+    in the dtype they are read in, level tables seen before) in one pass: prepare()'s answer,
+    or None when anything differs from it (then prepare() checks everything and says what is
+    wrong, or prepares what is new)."""
+    dtype = value.dtype
+    if loc.dtype is not dtype or attn.dtype is not dtype or dtype not in DTYPE_CODE:
+        # still the common call with the points in the dtype they are read in: autocast's
+        # float32 points with a half value (MSDA_POINTS_F32)
+        if (dtype not in DTYPE_CODE or loc.dtype is not attn.dtype
+                or points_dtype(dtype, loc.dtype, attn.dtype) is not loc.dtype):
+            return None
+        flags |= _clib.FLAG_POINTS_F32
+    try:
+        B, S, H, C = value.shape
+        Bl, Q, Hl, L, P, two = loc.shape
+    except ValueError:
+        return None
+    if two != 2 or Bl != B or Hl != H or attn.shape != (B, Q, H, L, P):
+        return None
+    device = value.device
+    if loc.device != device or attn.device != device:
+        return None
+    if type(spatial_shapes) is list:
+        if level_start_index is not None:
+            return None
+        try:
+            levels = _list_levels_cache.get((tuple(map(tuple, spatial_shapes)), device))
+        except TypeError:
+            return None
+    else:
+        levels = _remembered_tensor_levels(spatial_shapes, level_start_index, device)
+    if (levels is None or levels.L != L or (levels.total is not None and levels.total != S)
+            or C < 1 or H < 1 or P < 1
+            or B * H * (S * C + Q * C + Q * L * P * 2) > MAX_ELEMENTS  # (elements_fit)
+            or not (device.index in _served_cuda if value.is_cuda else device.type == "cpu")):
+        return None
+    value, loc, attn = value.contiguous(), loc.contiguous(), attn.contiguous()
+    if (value.data_ptr() | loc.data_ptr() | attn.data_ptr()) % loc.element_size():
+        return None  # misaligned (torch.frombuffer): prepare copies
+    return value, loc, attn, (levels, (B, S, H, C, L, Q, P), None, flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# the options
+
+_SAMPLING_FLAGS = {"bilinear": 0, "nearest": _clib.FLAG_NEAREST}
+deterministic_algorithms = torch.are_deterministic_algorithms_enabled
+
+
+def flags_of(sampling, deterministic):
+    """The msda_flags (c/msda.h) of a call's options; ValueError naming a bad sampling."""
+    try:
+        flags = _SAMPLING_FLAGS[sampling]
+    except (KeyError, TypeError):  # (an unhashable sampling)
+        flags = None
+    if flags is None:
+        check_sampling(sampling)  # raises
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic:
+        flags |= _clib.FLAG_DETERMINISTIC
+    return flags

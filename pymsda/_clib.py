@@ -28,8 +28,13 @@ ERR_UNSUPPORTED = 2
 ERR_CUDA = 3
 ERR_INTERNAL = 4
 
-# msda_dtype and msda_index_dtype codes (c/msda.h)
+# msda_dtype (c/msda.h; one row of c/dtypes.h each): the code, the name of torch's dtype, and
+# whether it is a half type (2-byte storage computed in float32). The Python side reads its
+# dtypes from here alone (pymsda/_checks.py: DTYPE_CODE, and the message naming them).
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16 = 0, 1, 2, 3
+DTYPES = ((DTYPE_F32, "float32", False), (DTYPE_F64, "float64", False),
+          (DTYPE_F16, "float16", True), (DTYPE_BF16, "bfloat16", True))
+# msda_index_dtype (c/msda.h)
 INDEX_I64, INDEX_I32 = 0, 1
 # msda_flags (c/msda.h)
 FLAG_NEAREST, FLAG_DETERMINISTIC, FLAG_POINTS_F32 = 1, 4, 8  # (2, the fused softmax, is gone)
@@ -40,30 +45,35 @@ ROUTE_KERNEL_MASK, ROUTE_DETERMINISTIC, ROUTE_F32_WORKSPACE = 0xFF, 0x100, 0x200
 # msda_fwd_route (c/msda.h)
 FWD_ROUTE_KERNELS = {0: "none", 1: "generic", 2: "fast", 3: "wide", 4: "direct"}
 
-# msda_args (c/msda.h), the one argument of the compute entry points: its fields in order with
-# their struct codes. ARGS is its layout (fixed-width fields, no padding, 64-bit pointers: 192
-# bytes); the calls pass it packed into a bytes object, a fresh one per call, so concurrent
-# calls never share a buffer. A pointer is packed as a signed int64 ("q": user-space addresses
-# are below 2^63, and struct packs "q" faster than "Q").
-_PTR = "q"
+# msda_args (c/msda.h), the one argument of the compute entry points, kept here once: its fields
+# in order, each with its struct code and the calls that read it, in the letters of the
+# header's comments (F msda_forward, B msda_backward, W msda_backward_workspace_size, R the two
+# route queries). tests/test_library.py reads the struct in c/msda.h and checks names, order,
+# types and letters against this list. ARGS is its layout (fixed-width fields, no padding,
+# 64-bit pointers: 192 bytes); the calls pass it packed into a bytes object, a fresh one per
+# call, so concurrent calls never share a buffer. A pointer is packed as a signed int64 ("q":
+# user-space addresses are below 2^63, and struct packs "q" faster than "Q").
+PTR = "q"
 ARGS_FIELDS = (
-    ("B", "q"), ("S", "q"), ("H", "q"), ("C", "q"), ("L", "q"), ("Q", "q"), ("P", "q"),
-    ("dtype", "i"), ("index_dtype", "i"), ("device", "i"), ("num_threads", "i"), ("flags", "i"),
-    ("reserved", "i"),
-    ("level_points", _PTR), ("value", _PTR), ("spatial_shapes", _PTR),
-    ("level_start_index", _PTR), ("sampling_locations", _PTR), ("attention_weights", _PTR),
-    ("grad_output", _PTR), ("output", _PTR), ("grad_value", _PTR),
-    ("grad_sampling_locations", _PTR), ("grad_attention_weights", _PTR), ("workspace", _PTR),
-    ("workspace_bytes", "q"), ("stream", _PTR),
+    ("B", "q", "FBWR"), ("S", "q", "FBWR"), ("H", "q", "FBWR"), ("C", "q", "FBWR"),
+    ("L", "q", "FBWR"), ("Q", "q", "FBWR"), ("P", "q", "FBWR"),
+    ("dtype", "i", "FBWR"), ("index_dtype", "i", "FB"), ("device", "i", "FBWR"),
+    ("num_threads", "i", "FB"), ("flags", "i", "FBWR"), ("reserved", "i", "FBWR"),
+    ("level_points", PTR, "FBR"), ("value", PTR, "FB"), ("spatial_shapes", PTR, "FB"),
+    ("level_start_index", PTR, "FB"), ("sampling_locations", PTR, "FB"),
+    ("attention_weights", PTR, "FB"), ("grad_output", PTR, "B"), ("output", PTR, "F"),
+    ("grad_value", PTR, "B"), ("grad_sampling_locations", PTR, "B"),
+    ("grad_attention_weights", PTR, "B"), ("workspace", PTR, "B"), ("workspace_bytes", "q", "B"),
+    ("stream", PTR, "FB"),
 )
-ARGS_NAMES = tuple(name for name, _ in ARGS_FIELDS)
+ARGS_NAMES = tuple(name for name, _, _ in ARGS_FIELDS)
 
 
 def _args_struct(names):
     """struct.Struct of msda_args packing the fields `names`, the others as zero bytes (pad
     bytes "x"); runs of one code merged ("7q", not "qqqqqqq": struct packs it faster)."""
     runs = []
-    for name, code in ARGS_FIELDS:
+    for name, code, _ in ARGS_FIELDS:
         count, code = (1, code) if name in names else (struct.calcsize(code), "x")
         if runs and runs[-1][1] == code:
             count += runs.pop()[0]
@@ -81,6 +91,17 @@ def args_packer(*names):
     if list(names) != [n for n in ARGS_NAMES if n in names]:
         raise ValueError(f"{names} are not fields of msda_args in its order {ARGS_NAMES}")
     return _args_struct(names).pack
+
+
+def read_by(call):
+    """The fields that `call` (a letter of ARGS_FIELDS) reads, but `reserved` (always 0)."""
+    return tuple(name for name, _, calls in ARGS_FIELDS if call in calls and name != "reserved")
+
+
+# The packers of the calls: each takes the fields its call reads, in the struct's order.
+pack_forward = args_packer(*read_by("F"))
+pack_backward = args_packer(*read_by("B"))
+pack_workspace = args_packer(*read_by("W"))
 
 
 def pack_args(**fields):
