@@ -42,12 +42,12 @@ import warnings
 
 from . import _switch
 
-# the drop-ins, each imported by __getattr__ below when first named
+# the drop-ins, each imported by __getattr__ below when first named (extension: what install()
+# serves under the extension's name)
 _DROP_INS = ("deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics",
              "rfdetr", "groundingdino", "extension")
 
-__all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics", "rfdetr",
-           "groundingdino", "install", "uninstall"]
+__all__ = [name for name in _DROP_INS if name != "extension"] + ["install", "uninstall"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
 _ENTRY = "sys.modules[%r]" % EXTENSION_NAME  # the name install() switches
