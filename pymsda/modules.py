@@ -9,7 +9,23 @@ from torch import nn
 from ._args import shapes_tensor
 from .ops import ms_deform_attn
 
-__all__ = ["MSDeformAttn"]
+__all__ = ["MSDeformAttn", "initial_sampling_offsets"]
+
+
+def initial_sampling_offsets(num_heads, num_points_list, dtype=torch.float32, device=None):
+    """Deformable DETR's initial sampling offsets, the bias of its sampling_offsets layer: a
+    (num_heads, sum(num_points_list), 2) tensor of (x, y) offsets in pixels of each level,
+    level 0's points first. Head h looks along the angle 2*pi*h/num_heads, that direction
+    scaled so its larger component is 1, and the k-th point of each level (k = 1, 2, ...)
+    starts k times as far, so the heads fan out around the reference point before training.
+    MSDeformAttn, mmcv's and RT-DETRv2's modules and the benchmark's realistic inputs all start
+    from it (each with its own layout of levels and points: reshape, do not recompute)."""
+    angles = torch.arange(num_heads, dtype=dtype, device=device) * (2.0 * math.pi / num_heads)
+    direction = torch.stack([angles.cos(), angles.sin()], -1)
+    direction = direction / direction.abs().max(-1, keepdim=True).values
+    steps = torch.cat([torch.arange(1, n + 1, dtype=dtype, device=device)
+                       for n in num_points_list])
+    return direction[:, None, :] * steps[None, :, None]
 
 
 class MSDeformAttn(nn.Module):
@@ -40,16 +56,9 @@ class MSDeformAttn(nn.Module):
 
     def _reset_parameters(self):
         nn.init.constant_(self.sampling_offsets.weight.data, 0.0)
-        # Head h starts its points along direction 2*pi*h/n_heads, scaled so the larger of the
-        # two components is 1, point p at (p + 1) times that offset, on every level.
-        thetas = torch.arange(self.n_heads, dtype=torch.float32) * (2.0 * math.pi / self.n_heads)
-        grid = torch.stack([thetas.cos(), thetas.sin()], -1)
-        grid = grid / grid.abs().max(-1, keepdim=True)[0]
-        grid = grid.view(self.n_heads, 1, 1, 2).repeat(1, self.n_levels, self.n_points, 1)
-        for p in range(self.n_points):
-            grid[:, :, p, :] *= p + 1
+        offsets = initial_sampling_offsets(self.n_heads, [self.n_points] * self.n_levels)
         with torch.no_grad():
-            self.sampling_offsets.bias = nn.Parameter(grid.view(-1))
+            self.sampling_offsets.bias = nn.Parameter(offsets.flatten())
         nn.init.constant_(self.attention_weights.weight.data, 0.0)
         nn.init.constant_(self.attention_weights.bias.data, 0.0)
         nn.init.xavier_uniform_(self.value_proj.weight.data)

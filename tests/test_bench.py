@@ -17,6 +17,7 @@ import torch
 
 import pymsda
 from pymsda.bench import command, inputs as bench_inputs, op, report, timing
+from pymsda.modules import initial_sampling_offsets
 from conftest import grid_sample_supports, requires_torch_feature
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +124,8 @@ def test_realistic_decoder_reference_points_lie_in_the_inner_box_and_noise_moves
     spec = TINY_SHAPES["tiny_dec"]
     quiet = bench_inputs.make_inputs(spec, torch.float64, noise=0.0, seed=3)["sampling_locations"]
     noisy = bench_inputs.make_inputs(spec, torch.float64, noise=1.0, seed=3)["sampling_locations"]
-    offsets = bench_inputs.head_offsets(spec["H"], 2, spec["P"]) / torch.tensor(
+    start = initial_sampling_offsets(spec["H"], [spec["P"]] * 2, torch.float64)
+    offsets = start.view(spec["H"], 2, spec["P"], 2) / torch.tensor(
         [[w, h] for h, w in spec["levels"]], dtype=torch.float64)[:, None, :]
     reference = quiet - offsets
     assert torch.allclose(reference, reference[:, :, :1, :1, :1].expand_as(reference))

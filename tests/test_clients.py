@@ -104,6 +104,61 @@ def test_transformers_kernel_layer_of_models_built_after_install(library_calls, 
     assert_same_step(again, own, truth, dtype)
 
 
+# D-FINE's and DEIMv2's decoder attention: (config class, layer class in modeling_<model>)
+FUNCTION_COPYING_LAYERS = {"d_fine": ("DFineConfig", "DFineMultiscaleDeformableAttention"),
+                           "deimv2": ("Deimv2Config", "Deimv2MultiscaleDeformableAttention")}
+
+
+def copying_layer_output(layer):
+    """A forward of a D-FINE or DEIMv2 attention layer (d_model 32, two levels, boxes)."""
+    generator = torch.Generator().manual_seed(8)
+    shapes = [(6, 5), (3, 3)]
+
+    def rand(*size):
+        return torch.rand(*size, generator=generator, dtype=torch.float64)
+    output, _ = layer(rand(2, 7, 32), reference_points=rand(2, 7, 1, 4) * 0.5 + 0.25,
+                      encoder_hidden_states=rand(2, 39, 32), spatial_shapes=torch.tensor(shapes),
+                      spatial_shapes_list=shapes)
+    return output
+
+
+@pytest.mark.parametrize("model", sorted(FUNCTION_COPYING_LAYERS))
+def test_transformers_uninstall_gives_layers_built_while_installed_their_function_back(
+        library_calls, model):
+    """D-FINE's and DEIMv2's attention copy multi_scale_deformable_attention_v2 into the layer
+    when it is built: one built while installed (and a copy of it) runs pymsda's; after
+    uninstall() both hold and run transformers' own function again, as does one built before
+    install() throughout."""
+    transformers = client("transformers")
+    modeling = client("transformers.models.%s.modeling_%s" % (model, model))
+    config_name, layer_name = FUNCTION_COPYING_LAYERS[model]
+    if not (hasattr(transformers, config_name) and hasattr(modeling, layer_name)):
+        pytest.skip("this transformers (%s) has no %s" % (transformers.__version__, layer_name))
+    from pymsda.compat import transformers as compat
+    own = modeling.multi_scale_deformable_attention_v2
+    layer_class = getattr(modeling, layer_name)
+    config = getattr(transformers, config_name)(d_model=32, decoder_attention_heads=4,
+                                                num_feature_levels=2, decoder_n_points=2)
+    torch.manual_seed(0)
+    before = layer_class(config).double()
+    expected = copying_layer_output(before)
+    compat.install()
+    try:
+        built = layer_class(config).double()
+        built.load_state_dict(before.state_dict())
+        copied = copy.deepcopy(built)
+        assert built.ms_deformable_attn_core is not own
+        ours = copying_layer_output(built)
+        assert library_calls["forward"] == 1
+    finally:
+        compat.uninstall()
+    assert rel_l2(ours, expected) < 1e-12
+    for layer in (built, copied, before):
+        assert layer.ms_deformable_attn_core is own
+        assert torch.equal(copying_layer_output(layer), expected)
+    assert library_calls["forward"] == 1  # transformers' own code again
+
+
 def mask2former_pixel_decoder():
     transformers = client("transformers")
     from transformers.models.mask2former.modeling_mask2former import Mask2FormerPixelDecoder

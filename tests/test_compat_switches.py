@@ -120,6 +120,33 @@ def test_transformers_uninstall_turns_layers_built_while_installed_back(monkeypa
     assert model[0](*[None] * 7) == "transformers' own"
 
 
+def test_transformers_uninstall_gives_layers_that_copied_the_function_its_original_back(
+        monkeypatch):
+    """A stand-in for D-FINE's modeling module: its attention layer copies the module-level
+    multi_scale_deformable_attention_v2 into itself when built."""
+    module = types.ModuleType("msda_stand_in_modeling_v2")
+
+    def multi_scale_deformable_attention_v2(*args):
+        return "transformers' own"
+    module.multi_scale_deformable_attention_v2 = own = multi_scale_deformable_attention_v2
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ms_deformable_attn_core = module.multi_scale_deformable_attention_v2
+    name = "msda_stand_in_modeling_v2.multi_scale_deformable_attention_v2"
+    monkeypatch.setattr(transformers, "_TARGETS", [(module, own.__name__)])
+    assert transformers.install() == [name]
+    try:
+        layers = [Attention()]
+        layers.append(copy.deepcopy(layers[0]))
+        assert all(m.ms_deformable_attn_core is not own for m in layers)
+    finally:
+        assert transformers.uninstall() == [name]
+    assert all(m.ms_deformable_attn_core is own for m in layers)
+    assert module.multi_scale_deformable_attention_v2 is own
+
+
 def test_restore_kernel_layers_puts_back_the_layers_replaced():
     module = kernel_layer_module()
     model = torch.nn.ModuleDict({"a": module.MultiScaleDeformableAttention(),

@@ -1,10 +1,11 @@
 """The benchmark's problems: the named shapes (shapes.json) and their inputs, drawn as
 Deformable DETR's layers see them ("realistic") or uniformly."""
 import json
-import math
 import os
 
 import torch
+
+from ..modules import initial_sampling_offsets
 
 DISTRIBUTIONS = ("realistic", "uniform")
 SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.json")
@@ -14,16 +15,6 @@ def load_shapes():
     """shapes.json as a dict: groups "gpu" and "cpu" of {name: spec}, and "locations"."""
     with open(SHAPES_FILE, encoding="utf-8") as f:
         return json.load(f)
-
-
-def head_offsets(heads, levels, points, dtype=torch.float64, device="cpu"):
-    """(H, L, P, 2) offsets in pixels, Deformable DETR's initialisation: the direction of angle
-    2*pi*h/H scaled so its largest component is 1, times (p + 1)."""
-    angle = torch.arange(heads, dtype=dtype, device=device) * (2 * math.pi / heads)
-    direction = torch.stack([angle.cos(), angle.sin()], -1)
-    direction = direction / direction.abs().amax(-1, keepdim=True)
-    steps = torch.arange(1, points + 1, dtype=dtype, device=device)
-    return (direction[:, None, None, :] * steps[None, None, :, None]).expand(heads, levels, points, 2)
 
 
 def pixel_centres(levels, dtype=torch.float64, device="cpu"):
@@ -59,7 +50,8 @@ def make_inputs(spec, dtype=torch.float32, device="cpu", dist="realistic", seed=
             reference = pixel_centres(levels, draw["dtype"], device).expand(B, Q, 2)
         else:
             reference = 0.05 + 0.9 * torch.rand(B, Q, 2, **draw)
-        pixels = head_offsets(H, L, P, draw["dtype"], device) + noise * torch.randn(B, Q, H, L, P, 2, **draw)
+        start = initial_sampling_offsets(H, [P] * L, draw["dtype"], device).view(H, L, P, 2)
+        pixels = start + noise * torch.randn(B, Q, H, L, P, 2, **draw)
         level_sizes = torch.tensor([[w, h] for h, w in levels], dtype=draw["dtype"], device=device)
         locations = reference[:, :, None, None, None, :] + pixels / level_sizes[:, None, :]
         weights = torch.randn(B, Q, H, L * P, **draw).softmax(-1).view(B, Q, H, L, P)

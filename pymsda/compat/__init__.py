@@ -9,8 +9,8 @@ and modules keep their parameter names, so checkpoints load unchanged.
                      `import MultiScaleDeformableAttention as MSDA`
     mmcv             MultiScaleDeformableAttnFunction, multi_scale_deformable_attn_pytorch,
                      and mmcv's MultiScaleDeformableAttention module (registered in mmengine's
-                     MODELS where mmcv has no compiled ops, e.g. mmcv-lite, on import and by
-                     install(); uninstall() removes the entry)
+                     MODELS where mmcv has no compiled ops, e.g. mmcv-lite, when this module is
+                     imported and by install(); uninstall() removes the entry)
     transformers     the MultiScaleDeformableAttention kernel layer of HF transformers,
                      replace_kernel_layers(model) to put it into a built transformers model,
                      and install() / uninstall() (the kernel layer of models built afterwards,
@@ -28,19 +28,39 @@ and modules keep their parameter names, so checkpoints load unchanged.
 The *_pytorch functions of deformable_detr and mmcv run the pure-PyTorch reference (grid_sample),
 as their originals do; everything else runs pymsda's C/CUDA kernels (the *_pytorch functions of
 ultralytics, rfdetr and groundingdino included: install() puts them in the originals' place).
+
+Each drop-in is imported when it is first named (`import pymsda.compat.mmcv`, `from pymsda.compat
+import transformers`, `pymsda.compat.rtdetr`), not by `import pymsda.compat`: importing one costs
+its own imports and may change another library (pymsda.compat.mmcv registers its module in
+mmengine's MODELS), which only the code that names it asked for.
 """
+import functools
+import importlib
 import sys
 import types
 import warnings
 
-from . import (_switch, deformable_detr, extension, groundingdino, mmcv, paddle, rfdetr, rtdetr,
-               transformers, ultralytics)
+from . import _switch
 
-__all__ = ["deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics", "rfdetr",
-           "groundingdino", "install", "uninstall"]
+# the drop-ins, each imported by __getattr__ below when first named (extension: what install()
+# serves under the extension's name)
+_DROP_INS = ("deformable_detr", "mmcv", "transformers", "rtdetr", "paddle", "ultralytics",
+             "rfdetr", "groundingdino", "extension")
+
+__all__ = [name for name in _DROP_INS if name != "extension"] + ["install", "uninstall"]
 
 EXTENSION_NAME = "MultiScaleDeformableAttention"
 _ENTRY = "sys.modules[%r]" % EXTENSION_NAME  # the name install() switches
+
+
+def __getattr__(name):
+    if name in _DROP_INS:  # (the import binds it here, so this runs once per drop-in)
+        return importlib.import_module("." + name, __name__)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_DROP_INS))
 
 
 class _ExtensionAlias(types.ModuleType):
@@ -48,17 +68,27 @@ class _ExtensionAlias(types.ModuleType):
     the extension module's. A distinct object, so that uninstall() finds the names bound by
     `import MultiScaleDeformableAttention` while installed, and no other."""
 
+    def __init__(self, extension):
+        super().__init__(EXTENSION_NAME, extension.__doc__)
+        types.ModuleType.__setattr__(self, "_extension", extension)  # (its one own attribute)
+
     def __getattr__(self, name):
-        return getattr(extension, name)
+        return getattr(self._extension, name)
 
     def __setattr__(self, name, value):
-        setattr(extension, name, value)
+        setattr(self._extension, name, value)
 
     def __dir__(self):
-        return dir(extension)
+        return dir(self._extension)
 
 
-_ALIAS = _ExtensionAlias(EXTENSION_NAME, extension.__doc__)
+@functools.lru_cache(maxsize=None)
+def _alias():
+    """The one _ExtensionAlias, made by the first install() (which imports the extension's
+    drop-in)."""
+    return _ExtensionAlias(importlib.import_module(".extension", __name__))
+
+
 # while installed: [what sys.modules held under EXTENSION_NAME before install(), or None]
 _held_before = []
 
@@ -72,9 +102,9 @@ def install():
     that name already in sys.modules (uninstall() puts it back). Returns the names switched, as
     every install() of pymsda.compat does: ["sys.modules['MultiScaleDeformableAttention']"]
     (the module: sys.modules["MultiScaleDeformableAttention"], what the import gives)."""
-    if sys.modules.get(EXTENSION_NAME) is not _ALIAS:
+    if sys.modules.get(EXTENSION_NAME) is not _alias():
         _held_before[:] = [sys.modules.get(EXTENSION_NAME)]
-        sys.modules[EXTENSION_NAME] = _ALIAS
+        sys.modules[EXTENSION_NAME] = _alias()
     return [_ENTRY]
 
 
@@ -82,12 +112,12 @@ def _names_of_installed():
     """(module's name, module, attribute) for every module-level name that holds the module
     install() put under the extension's name (the `MSDA` of code that imported it while
     installed)."""
-    names = []
+    names, alias = [], _alias()
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
-        if name.split(".")[0] != "pymsda" and isinstance(namespace, dict):  # (not _ALIAS here)
+        if name.split(".")[0] != "pymsda" and isinstance(namespace, dict):  # (users' code only)
             names += [(name, module, key) for key, value in list(namespace.items())
-                      if value is _ALIAS]
+                      if value is alias]
     return names
 
 
@@ -101,7 +131,7 @@ def uninstall():
     if not _held_before:
         return []
     held_before = _held_before.pop()
-    if sys.modules.get(EXTENSION_NAME) is _ALIAS:
+    if sys.modules.get(EXTENSION_NAME) is _alias():
         if held_before is None:
             del sys.modules[EXTENSION_NAME]
         else:

@@ -23,8 +23,6 @@ from ..ops import ms_deform_attn
 
 __all__ = ["ms_deform_attn_forward", "ms_deform_attn_backward"]
 
-_LIBRARY_HAS_CUDA = bool(_lib.lib.msda_has_cuda())
-
 
 def ms_deform_attn_forward(value, value_spatial_shapes: Any, value_level_start_index: Any,
                            sampling_locations, attention_weights, im2col_step: int):
@@ -36,12 +34,10 @@ def ms_deform_attn_forward(value, value_spatial_shapes: Any, value_level_start_i
 
 def _kernel_backward_serves(value, value_spatial_shapes):
     """Whether the registered backward op (torch.ops.pymsda.ms_deform_attn_backward) can run
-    this call directly: it exists (torch >= 2.4), the shapes are a tensor, and the library has
-    kernels for value's device."""
-    if not (ops.HAS_TORCH_LIBRARY_OPS and isinstance(value, torch.Tensor)
-            and isinstance(value_spatial_shapes, torch.Tensor)):
-        return False
-    return value.device.type == "cpu" or (value.device.type == "cuda" and _LIBRARY_HAS_CUDA)
+    this call directly: it exists (torch >= 2.4), the shapes are a tensor, and the library
+    serves value's device (the library's own rule: its kernels run there)."""
+    return (ops.HAS_TORCH_LIBRARY_OPS and isinstance(value, torch.Tensor)
+            and isinstance(value_spatial_shapes, torch.Tensor) and _lib.serves(value.device))
 
 
 def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index,

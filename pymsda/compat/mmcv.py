@@ -25,7 +25,6 @@
 """
 import copy
 import importlib.util
-import math
 import os
 import sys
 import warnings
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from .._torch_private import not_scriptable as _not_scriptable
+from ..modules import initial_sampling_offsets
 from ..ops import ms_deform_attn
 from ..reference import ms_deform_attn_pytorch
 from . import _switch
@@ -99,20 +99,15 @@ class MultiScaleDeformableAttention(nn.Module):
         self.init_weights()
 
     def init_weights(self):
-        """mmcv's initialisation: head h's points along the angle 2*pi*h/num_heads (the larger
-        component scaled to 1), point k (1-based) k times as far; zero attention weights;
-        xavier-uniform projections with zero bias."""
+        """mmcv's initialisation: Deformable DETR's sampling offsets
+        (pymsda.modules.initial_sampling_offsets); zero attention weights; xavier-uniform
+        projections with zero bias."""
         nn.init.constant_(self.sampling_offsets.weight, 0.0)
-        device = self.sampling_offsets.weight.device
-        angles = torch.arange(self.num_heads, dtype=torch.float32, device=device) * (
-            2.0 * math.pi / self.num_heads)
-        direction = torch.stack([angles.cos(), angles.sin()], -1)
-        direction = direction / direction.abs().max(-1, keepdim=True)[0]
-        steps = torch.arange(1, self.num_points + 1, dtype=torch.float32, device=device)
-        bias = direction[:, None, None, :] * steps[None, None, :, None]
-        bias = bias.expand(self.num_heads, self.num_levels, self.num_points, 2)
+        # computed on the weights' device, as mmcv 2.x does (cos and sin may round otherwise)
+        offsets = initial_sampling_offsets(self.num_heads, [self.num_points] * self.num_levels,
+                                           device=self.sampling_offsets.weight.device)
         with torch.no_grad():
-            self.sampling_offsets.bias.copy_(bias.reshape(-1))
+            self.sampling_offsets.bias.copy_(offsets.flatten())
         nn.init.constant_(self.attention_weights.weight, 0.0)
         nn.init.constant_(self.attention_weights.bias, 0.0)
         for layer in (self.value_proj, self.output_proj):

@@ -23,7 +23,6 @@ on a non-square level reads a wrong (or out-of-range) pixel; here each axis is c
 own size. On square levels the two agree.
 """
 import functools
-import math
 from typing import Any, List
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 from torch.nn import init
 
 from .._torch_private import not_scriptable as _not_scriptable
+from ..modules import initial_sampling_offsets
 from ..ops import ms_deform_attn
 
 __all__ = ["deformable_attention_core_func", "deformable_attention_core_func_v2",
@@ -127,18 +127,11 @@ class MSDeformableAttention(nn.Module):
     __prepare_scriptable__ = _not_scriptable  # say what works instead
 
     def _reset_parameters(self):
-        # Head h looks along the angle 2*pi*h/num_heads (the larger component scaled to 1);
-        # the k-th point of a level (k = 1, 2, ...) starts k times as far.
+        # Deformable DETR's offsets, each level's points k = 1, 2, ... of its own count
         init.constant_(self.sampling_offsets.weight, 0)
-        angles = torch.arange(self.num_heads, dtype=torch.float32) * (2.0 * math.pi /
-                                                                     self.num_heads)
-        direction = torch.stack([angles.cos(), angles.sin()], -1)
-        direction = direction / direction.abs().max(-1, keepdim=True).values
-        steps = torch.cat([torch.arange(1, n + 1, dtype=torch.float32)
-                           for n in self.num_points_list])
-        bias = direction[:, None, :] * steps[None, :, None]  # (heads, points, 2)
+        offsets = initial_sampling_offsets(self.num_heads, self.num_points_list)
         with torch.no_grad():
-            self.sampling_offsets.bias.copy_(bias.flatten())
+            self.sampling_offsets.bias.copy_(offsets.flatten())
         init.constant_(self.attention_weights.weight, 0)
         init.constant_(self.attention_weights.bias, 0)
         init.xavier_uniform_(self.value_proj.weight)

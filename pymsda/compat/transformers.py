@@ -28,12 +28,15 @@ install() switches, in the transformers modules that hold them:
     and DEIMv2 bind it when a layer is built);
   - Mask2Former's and OneFormer's module-level multi_scale_deformable_attention(value,
     value_spatial_shapes, sampling_locations, attention_weights), looked up when they run.
-It returns the names switched; uninstall() restores them and turns the kernel layers built while
-installed back into transformers' own (models built before install() and changed by
-replace_kernel_layers keep pymsda's until restore_kernel_layers). While a tracer or exporter runs
+It returns the names switched; uninstall() restores them and turns the layers built while
+installed back into transformers' own: the kernel layers become transformers' class again, and
+D-FINE's and DEIMv2's attention layers (and copies of them) get transformers' function back
+(models built before install() and changed by replace_kernel_layers keep pymsda's until
+restore_kernel_layers). While a tracer or exporter runs
 (torch.jit.trace, the ONNX exporters, torch.export), every switched name and layer runs
 transformers' own code.
 """
+import gc
 import inspect
 import warnings
 import weakref
@@ -207,6 +210,24 @@ def _switch_back_built(original, replacement):
         _switch_back(layer)
 
 
+def _give_back_copied_functions(functions):
+    """Gives each layer that holds a switched function's replacement the original back:
+    D-FINE's and DEIMv2's attention layers copy multi_scale_deformable_attention_v2 into
+    themselves when built (self.ms_deformable_attn_core), and copies of such a layer hold it
+    too. No pymsda code runs when they are built or copied, so they cannot be tracked as the
+    kernel layers are: they are found among every nn.Module alive, once per uninstall() (as
+    pymsda.compat.uninstall() finds the names bound to the extension's module). functions:
+    [(original, replacement)]."""
+    if not functions:
+        return
+    for layer in gc.get_objects():
+        if issubclass(type(layer), nn.Module):  # (type(): no __class__ property is run)
+            for name, value in list(vars(layer).items()):
+                for original, replacement in functions:
+                    if value is replacement:
+                        setattr(layer, name, original)
+
+
 def _replacement(original, module):
     name = original.__name__
     if isinstance(original, type):
@@ -223,6 +244,16 @@ def install():
 
 
 def uninstall():
-    """Restores transformers' own MSDA, the kernel layers of models built while installed
-    included (they become transformers' class again); returns the names restored."""
-    return _switch.restore(_TARGETS, _switch_back_built)
+    """Restores transformers' own MSDA, the layers built while installed included (kernel
+    layers become transformers' class again, D-FINE's and DEIMv2's get transformers' function
+    back); returns the names restored."""
+    functions = []
+
+    def undo(original, replacement):
+        if isinstance(original, type):
+            _switch_back_built(original, replacement)
+        else:
+            functions.append((original, replacement))
+    restored = _switch.restore(_TARGETS, undo)
+    _give_back_copied_functions(functions)
+    return restored
