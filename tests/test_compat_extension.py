@@ -116,15 +116,15 @@ def test_install_backward_matches_pymsda_autograd(generator, device, dtype, path
 
 def test_backward_kernel_serves_where_the_library_serves_the_device(generator, monkeypatch):
     """The backward goes straight to the kernel op only on a device the library serves, by the
-    library's one rule (pymsda._lib.serves: the CPU, or a GPU its kernels run on); elsewhere
+    library's one rule (pymsda._clib.serves: the CPU, or a GPU its kernels run on); elsewhere
     (a GPU without code for it) it takes the recompute path, whose fallback warns once."""
     inputs = plain_inputs(generator, "cpu")
     value, shapes = inputs["value"], inputs["spatial_shapes"]
     asked = []
     extension = pymsda.compat.extension
-    monkeypatch.setattr(extension._lib, "serves", lambda device: asked.append(device) or False)
+    monkeypatch.setattr(extension._clib, "serves", lambda device: asked.append(device) or False)
     assert extension._kernel_backward_serves(value, shapes) is False
     assert asked == ([value.device] if pymsda.ops.HAS_TORCH_LIBRARY_OPS else [])
-    monkeypatch.setattr(extension._lib, "serves", lambda device: True)
+    monkeypatch.setattr(extension._clib, "serves", lambda device: True)
     assert extension._kernel_backward_serves(value, shapes) == pymsda.ops.HAS_TORCH_LIBRARY_OPS
     assert extension._kernel_backward_serves(value, [(6, 5), (3, 4), (2, 2)]) is False

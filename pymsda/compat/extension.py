@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import _clib as _lib, ops
+from .. import _clib, ops
 from .._torch_private import script_unsupported_because as _script_unsupported
 from ..ops import ms_deform_attn
 
@@ -37,14 +37,14 @@ def _kernel_backward_serves(value, value_spatial_shapes):
     this call directly: it exists (torch >= 2.4), the shapes are a tensor, and the library
     serves value's device (the library's own rule: its kernels run there)."""
     return (ops.HAS_TORCH_LIBRARY_OPS and isinstance(value, torch.Tensor)
-            and isinstance(value_spatial_shapes, torch.Tensor) and _lib.serves(value.device))
+            and isinstance(value_spatial_shapes, torch.Tensor) and _clib.serves(value.device))
 
 
 def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index,
                             sampling_locations, attention_weights, grad_output, im2col_step):
     if _kernel_backward_serves(value, value_spatial_shapes):
         # Straight into pymsda's backward kernel, no forward recomputed.
-        flags = _lib.FLAG_DETERMINISTIC if torch.are_deterministic_algorithms_enabled() else 0
+        flags = _clib.FLAG_DETERMINISTIC if torch.are_deterministic_algorithms_enabled() else 0
         with torch.no_grad():
             grads = torch.ops.pymsda.ms_deform_attn_backward(
                 grad_output.detach(), value.detach(), value_spatial_shapes,
