@@ -164,7 +164,11 @@ ARCH_LIST   := $(strip $(foreach a,$(CUDA_ARCHS),sm_$(a)) compute_$(CUDA_PTX))
 NVCCFLAGS   ?= -O3
 ALL_NVCCFLAGS = $(NVCCFLAGS) -std=c++17 --threads 0 -Xcompiler -fPIC,-fvisibility=hidden \
                $(GENCODE) -DMSDA_CUDA_ARCHS='"$(ARCH_LIST)"'
-CUDA_OBJS   := $(patsubst kernels/%.cu,$(BUILD)/%.o,$(wildcard kernels/*.cu kernels/instances/*.cu))
+# The kernels' instances: kernels/instances/{forward,backward}.cu compiled once per row of
+# c/dtypes.h (its suffixes: f32 f64 f16 bf16), so a new dtype's row needs no file here.
+DTYPE_SUFFIXES := $(shell sed -n 's/^.define MSDA_DTYPE_[0-9]*.X. X.[A-Z0-9_]*, *\([a-z0-9_]*\),.*/\1/p' c/dtypes.h)
+CUDA_OBJS   := $(patsubst kernels/%.cu,$(BUILD)/%.o,$(wildcard kernels/*.cu)) \
+               $(foreach p,forward backward,$(foreach s,$(DTYPE_SUFFIXES),$(BUILD)/instances/$(p)_$(s).o))
 # Static cudart: a toolkit's lib64 or targets/x86_64-linux/lib, pip's nvidia/cu13/lib.
 CUDA_LIBDIRS := $(wildcard $(addprefix $(CUDA_HOME)/,lib64 targets/x86_64-linux/lib lib))
 CUDA_LIBS   := $(addprefix -L,$(CUDA_LIBDIRS)) -lcudart_static -lrt -ldl -lpthread
@@ -236,6 +240,15 @@ $(BUILD)/%.o: kernels/%.cu $(wildcard kernels/*.cuh c/*.h) $(BUILD)/config | $(B
 	@mkdir -p $(dir $@)
 	$(call say,NVCC  $< ($(words $(ARCH_LIST)) targets))
 	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -c $< -o $@
+
+$(BUILD)/instances/forward_%.o: kernels/instances/forward.cu $(wildcard kernels/*.cuh c/*.h) $(BUILD)/config | $(BUILD) $(BUILD)/started
+	@mkdir -p $(dir $@)
+	$(call say,NVCC  $< for $* ($(words $(ARCH_LIST)) targets))
+	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -DMSDA_INSTANCE=$* -c $< -o $@
+$(BUILD)/instances/backward_%.o: kernels/instances/backward.cu $(wildcard kernels/*.cuh c/*.h) $(BUILD)/config | $(BUILD) $(BUILD)/started
+	@mkdir -p $(dir $@)
+	$(call say,NVCC  $< for $* ($(words $(ARCH_LIST)) targets))
+	$(Q)$(NVCC) $(ALL_NVCCFLAGS) -DMSDA_INSTANCE=$* -c $< -o $@
 
 # Only the msda_* symbols and ONNX Runtime's RegisterCustomOps are exported; the static cudart
 # and libstdc++ stay private.

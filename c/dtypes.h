@@ -14,7 +14,7 @@
 /* ---- the table ------------------------------------------------------------------------------
  * Row i is dtype code i (msda_dtype, c/msda.h), in that order: X(code, suffix, CPU storage type,
  * accumulation type, CUDA storage type, half), where the suffix names the functions and files of
- * the type (forward_f32, kernels/instances/backward_f32.cu), and half is 1 for a half type:
+ * the type (forward_f32, build/instances/backward_f32.o), and half is 1 for a half type:
  * 2-byte storage computed in f32, which takes MSDA_POINTS_F32, the wide forward, and (before
  * sm_90) a grad_value summed in an f32 workspace. A type accumulated in f32 has the fast CUDA
  * kernels; one accumulated in f64 the generic ones. A new row: MSDA_DTYPE_<i> and its name in

@@ -34,7 +34,7 @@ cudaError_t memset_grad_value(const msda_problem *pr, int64_t bytes, cudaStream_
 cudaError_t zero_then_launch(void (*kernel)(msda_problem), dim3 grid, int threads, int64_t bytes,
                              const msda_problem *pr, cudaStream_t stream);
 
-/* One launcher per dtype, msda_backward_launch_<suffix> (kernels/instances/backward_*.cu). */
+/* One launcher per dtype, msda_backward_launch_<suffix> (kernels/instances/backward.cu, once per row of c/dtypes.h). */
 #define MSDA_BACKWARD_LAUNCHER(code, suffix, ...)                                                 \
     cudaError_t MSDA_CAT(msda_backward_launch, suffix)(const msda_problem *pr, cudaStream_t stream);
 MSDA_DTYPES(MSDA_BACKWARD_LAUNCHER)

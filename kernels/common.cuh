@@ -33,12 +33,14 @@ template <> __device__ __forceinline__ double from_acc<double>(double v) { retur
 
 /* Each CUDA storage type's row of the dtype table (c/dtypes.h): AccOf<T>::type, its accumulation
  * type; IsHalf<T>::value, its half column; HasFast<T>::value, whether the fast kernels serve it
- * (f32 accumulation; the others take the generic kernels). */
+ * (f32 accumulation; the others take the generic kernels); msda_cuda_type_<suffix>, the type
+ * itself by its suffix (the instance files compile one row by its suffix: kernels/instances/). */
 template <typename T> struct AccOf;
 template <typename T> struct IsHalf;
 #define MSDA_CUDA_TRAITS(code, suffix, cpu_type, acc_type, cuda_type, half)                      \
     template <> struct AccOf<cuda_type> { typedef acc_type type; };                              \
-    template <> struct IsHalf<cuda_type> { static constexpr bool value = half; };
+    template <> struct IsHalf<cuda_type> { static constexpr bool value = half; };                \
+    typedef cuda_type MSDA_CAT(msda_cuda_type, suffix);
 MSDA_DTYPES(MSDA_CUDA_TRAITS)
 #undef MSDA_CUDA_TRAITS
 template <typename T> struct HasFast {

@@ -1,6 +1,6 @@
 /* kernels/forward.cu: the forward's entry point (msda_cuda_forward); the kernels and their
- * launch, templated on the dtype: kernels/forward.cuh, one instance per dtype in
- * kernels/instances/forward_*.cu. */
+ * launch, templated on the dtype: kernels/forward.cuh, one instance per row of c/dtypes.h from
+ * kernels/instances/forward.cu. */
 #include "forward.cuh"
 
 #define LAUNCHER_OF(code, suffix, ...) MSDA_CAT(msda_forward_launch, suffix),

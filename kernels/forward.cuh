@@ -294,7 +294,7 @@ static cudaError_t launch_forward(const msda_problem *pr, cudaStream_t stream) {
     });
 }
 
-/* One launcher per dtype, msda_forward_launch_<suffix> (kernels/instances/forward_*.cu). */
+/* One launcher per dtype, msda_forward_launch_<suffix> (kernels/instances/forward.cu, once per row of c/dtypes.h). */
 #define MSDA_FORWARD_LAUNCHER(code, suffix, ...)                                                  \
     cudaError_t MSDA_CAT(msda_forward_launch, suffix)(const msda_problem *pr, cudaStream_t stream);
 MSDA_DTYPES(MSDA_FORWARD_LAUNCHER)

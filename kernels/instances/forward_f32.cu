@@ -1,7 +1,0 @@
-/* kernels/instances/forward_f32.cu: the forward's kernels for float, compiled apart from the
- * other dtypes' so that `make -j` builds them in parallel (kernels/forward.cuh). */
-#include "../forward.cuh"
-
-cudaError_t msda_forward_launch_f32(const msda_problem *pr, cudaStream_t stream) {
-    return launch_forward<float>(pr, stream);
-}
