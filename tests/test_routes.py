@@ -360,16 +360,19 @@ def test_each_route_matches_f64_oracle_cuda(generator, case):
         return
     if points32:
         # the oracle has the very inputs: the output and grad_value differ from it by their
-        # rounding to half precision (grad_value's atomics may round a few times), the point
-        # gradients, summed in f32 from float32 points, as an f32 call's do
+        # rounding to half precision, the point gradients, summed in f32 from float32 points,
+        # as an f32 call's do. A half grad_value summed in its own type (sm_90) rounds once per
+        # contribution: a random walk of n roundings, n the corners that land on an element
         unit = 2.0 ** -8 if dtype == bf16 else 2.0 ** -11
+        n = Q * L * P * 4 / S_SMALL
+        value_bound = unit * max(4.0, n ** 0.5)
         assert rel_l2(out, expected_out) < unit
         for name, g in got.items():
             if nearest and name == "sampling_locations":
                 assert g is None  # piecewise constant: no gradient (as RT-DETRv2's)
             else:
                 assert g.dtype == (dtype if name == "value" else f32), name
-                assert rel_l2(g, expected[name]) < (4 * unit if name == "value" else 1e-5), name
+                assert rel_l2(g, expected[name]) < (value_bound if name == "value" else 1e-5), name
         return
     if dtype in (f64, f32):
         bound = 1e-12 if dtype == f64 else 1e-5
