@@ -52,16 +52,12 @@ ALL_LDFLAGS = $(LDFLAGS) -ldl
 # ---- what an earlier build of this folder chose -----------------------------------------------
 # (restored only when the user names none of the three, on the command line or in the environment)
 # A CPU-only build that the machine chose (no nvcc; no GPU and no CUDA torch) is no choice: it is
-# remembered as MSDA_CUDA empty, and a later `make` looks again (a choice.mk without
-# REMEMBERED_FORMAT predates the distinction: its 0 is not restored either).
+# remembered as MSDA_CUDA empty, and a later `make` looks again.
 -include $(BUILD)/choice.mk
 named := $(foreach v,MSDA_CUDA CUDA_ARCHS CUDA_PTX,$(filter command environment,$(firstword $(origin $(v)))))
 given := $(foreach v,MSDA_CUDA CUDA_ARCHS CUDA_PTX,$(if $(filter command environment,$(firstword $(origin $(v)))),$(v)=$($(v))))
 ifeq ($(strip $(named)),)
 restore := $(REMEMBERED_MSDA_CUDA)
-ifeq ($(REMEMBERED_FORMAT)$(REMEMBERED_MSDA_CUDA),0)
-restore :=
-endif
 ifneq ($(restore),)
 MSDA_CUDA := $(REMEMBERED_MSDA_CUDA)
 CUDA_ARCHS := $(REMEMBERED_CUDA_ARCHS)
@@ -222,7 +218,7 @@ $(BUILD):
 CONFIG := $(CC) $(ALL_CFLAGS) | $(MSDA_CUDA) $(NVCC) $(CUDA_ARCHS) $(ALL_NVCCFLAGS)
 $(BUILD)/config: FORCE | $(BUILD)
 	@echo '$(CONFIG)' | cmp -s - $@ || echo '$(CONFIG)' > $@
-	@printf 'REMEMBERED_MSDA_CUDA := %s\nREMEMBERED_CUDA_ARCHS := %s\nREMEMBERED_CUDA_PTX := %s\nREMEMBERED_FORMAT := 2\n' \
+	@printf 'REMEMBERED_MSDA_CUDA := %s\nREMEMBERED_CUDA_ARCHS := %s\nREMEMBERED_CUDA_PTX := %s\n' \
 	    '$(if $(NVCC_MISSING)$(MACHINE_CPU_ONLY),,$(MSDA_CUDA))' '$(CUDA_ARCHS)' '$(CUDA_PTX)' > $(BUILD)/choice.mk
 FORCE:
 

@@ -218,15 +218,6 @@ def test_an_explicit_msda_cuda_0_is_remembered(tmp_path):
 
 
 @needs_make
-def test_a_remembered_0_from_before_the_distinction_looks_for_nvcc_again(tmp_path):
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "choice.mk").write_text(
-        "REMEMBERED_MSDA_CUDA := 0\nREMEMBERED_CUDA_ARCHS := \nREMEMBERED_CUDA_PTX := \n")
-    site, _ = pip_site(tmp_path)
-    assert "CUDA kernels:  yes" in run_make(tmp_path, "info", fake_gpus(tmp_path, "9.0"), site=site)
-
-
-@needs_make
 def test_make_wheel_says_how_long_it_took(tmp_path):
     # the library is taken as built (-o: not remade), packed as it is (no zig)
     build = tmp_path / "b"

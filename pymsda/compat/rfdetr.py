@@ -24,16 +24,10 @@ name: `pymsda.compat.rfdetr.install(models.ops.modules.ms_deform_attn)`.
 
 pymsda's kernels read value as (batch, S, n_heads, head_dim): the (batch, n_heads, head_dim, S)
 tensor is permuted (a view) and copied into that layout, and grad_value is copied back in the
-backward. What that costs, forward + backward of one call at RF-DETR base's decoder size
-(batch 4, 300 queries, 16 heads of 16 channels, one 40x40 level, 2 points), medians of 10
-alternated rounds of 50 calls (a one-off timing, 2026-11-27):
-  H100 (torch 2.11): 244 us from a (batch, S, heads, head_dim) value, 320 us through this
-      function (bf16: 338 / 484 us); the copy kernel itself 19-20 us. The call is host-bound at
-      this size, so the difference is mostly the two extra autograd nodes' host time.
-  2 CPU cores: 216 us and 359 us (bf16: 217 / 279 us); the copy 34-54 us.
-RF-DETR's configs run 2 to 6 such decoder layers a step. The copy kernel is a small part of a
-call and the host's part is what the extra nodes cost, so kernels reading the (batch, heads,
-head_dim, S) layout (a pixel's channels S elements apart: no vector loads) were not built.
+backward. At RF-DETR's decoder sizes the copy kernel is a small part of a call, which is
+host-bound, and the host's part is what the two extra autograd nodes cost (measured in
+kernels/TUNING.md, "RF-DETR's value layout"), so kernels reading the (batch, heads, head_dim, S)
+layout (a pixel's channels S elements apart: no vector loads) were not built.
 
 RF-DETR's export mode (MSDeformAttn.export(): sampling locations folded to rank 5 for CoreML),
 and any call while a tracer or exporter runs, go to RF-DETR's own function, so exported models
