@@ -12,8 +12,7 @@ import functools
 import importlib
 import warnings
 
-import torch
-
+from .._torch_private import EXPORT, JIT_TRACE, ONNX, recording
 from .._torch_private import script_unsupported_because as _script_unsupported
 from .._trace import options as _onnx_options
 
@@ -28,14 +27,10 @@ def exporting():
     registered op traces under it. Nor is an ONNX export inside
     pymsda.export.onnx_options(onnxruntime=True): the node of pymsda's ONNX Runtime op, which
     only pymsda's code records, is what was asked for."""
-    onnx_export = getattr(getattr(torch, "onnx", None), "is_in_onnx_export", None)
-    in_onnx_export = onnx_export is not None and onnx_export()
-    if in_onnx_export and _onnx_options.onnxruntime:
+    recorder = recording()
+    if recorder & ONNX and _onnx_options.onnxruntime:
         return False
-    if torch.jit.is_tracing() or in_onnx_export:
-        return True
-    is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", None)
-    return bool(is_exporting is not None and is_exporting())
+    return bool(recorder & (JIT_TRACE | ONNX | EXPORT))
 
 
 def routed(original, replacement):
