@@ -200,6 +200,35 @@ OrtStatus *msda_ort_prepare(const msda_ort_kernel *k, OrtKernelContext *context,
 // ---------------------------------------------------------------------------------------------
 // the CPU provider's kernel
 
+/* The index of the first NaN among n elements, or -1: each block of NAN_BLOCK is scanned
+ * without a branch (a loop the compiler vectorises), the index sought only in a block that holds
+ * one. At dec300's 153,600 float32 locations: 18-24 us on the 2-vCPU machine, where the
+ * early-exit loop took 60-90 us, a tenth of the node's call. A float16 is NaN when its exponent
+ * is all ones and its mantissa is not zero: (x & 0x7fff) > 0x7c00. */
+#define NAN_BLOCK 4096
+static int64_t first_nan_f32(const float *x, int64_t n) {
+    for (int64_t b = 0; b < n; b += NAN_BLOCK) {
+        const int64_t e = n - b < NAN_BLOCK ? n : b + NAN_BLOCK;
+        int any = 0;
+        for (int64_t i = b; i < e; i++) any |= x[i] != x[i];
+        if (any)
+            for (int64_t i = b; i < e; i++)
+                if (x[i] != x[i]) return i;
+    }
+    return -1;
+}
+static int64_t first_nan_f16(const uint16_t *x, int64_t n) {
+    for (int64_t b = 0; b < n; b += NAN_BLOCK) {
+        const int64_t e = n - b < NAN_BLOCK ? n : b + NAN_BLOCK;
+        int any = 0;
+        for (int64_t i = b; i < e; i++) any |= (x[i] & 0x7fff) > 0x7c00;
+        if (any)
+            for (int64_t i = b; i < e; i++)
+                if ((x[i] & 0x7fff) > 0x7c00) return i;
+    }
+    return -1;
+}
+
 /* The contents the CPU can read for free: level sizes >= 0 whose starts are the running sums and
  * add up to S; no NaN location (the kernels would make it a point that adds nothing, hiding a
  * model that went wrong upstream; an infinite location is a point far outside and adds nothing,
@@ -227,16 +256,8 @@ static OrtStatus *check_contents(const OrtApi *api, const msda_args *a) {
                               "must be sum of H_l * W_l", (long long)start, (long long)a->S);
     const int64_t n = a->B * a->Q * a->H * (a->level_points ? a->P : a->L * a->P) * 2;
     const int half = a->dtype == MSDA_F16 && !(a->flags & MSDA_POINTS_F32);
-    int64_t nan_at = -1;
-    if (half) {
-        const uint16_t *x = (const uint16_t *)a->sampling_locations;
-        for (int64_t i = 0; i < n && nan_at < 0; i++)
-            if ((x[i] & 0x7c00) == 0x7c00 && (x[i] & 0x03ff)) nan_at = i;
-    } else {
-        const float *x = (const float *)a->sampling_locations;
-        for (int64_t i = 0; i < n && nan_at < 0; i++)
-            if (x[i] != x[i]) nan_at = i;
-    }
+    const int64_t nan_at = half ? first_nan_f16((const uint16_t *)a->sampling_locations, n)
+                                : first_nan_f32((const float *)a->sampling_locations, n);
     if (nan_at >= 0)
         return msda_ort_error(api, MSDA_ORT_INVALID_ARGUMENT, "input 3 (sampling_locations) "
                               "holds NaN (flat element %lld of (N, Lq, M, L, P, 2)): a location "

@@ -171,6 +171,26 @@ def test_bad_input_raises_naming_the_input_and_layout(rng, case):
         assert rel_l2(sess.run(None, good)[0], oracle_of(good)) < 1e-6  # still serves
 
 
+@pytest.mark.parametrize("value_type", [np.float32, np.float16])
+@pytest.mark.parametrize("where", ["first", "past a block", "last"])
+def test_a_nan_location_is_found_where_it_is(rng, value_type, where):
+    """The scan of c/ort_op.c (blocks of 4096 read branch-free) names the first NaN's flat
+    element, in the first block, in a later one, and as the very last element; a float16 NaN
+    is told from an infinity (which is a point far outside, and serves)."""
+    sess = session(node_model(value_type=value_type).SerializeToString(), LIBRARY)
+    feed = random_inputs(rng, 2, 300, SHAPES, value_type=value_type)
+    flat = feed["sampling_locations"].reshape(-1)
+    at = {"first": 5, "past a block": 4096 * 2 + 17, "last": flat.size - 1}[where]
+    flat[at - 1] = np.inf
+    assert sess.run(None, feed)[0].shape[:2] == (2, 300)
+    flat[at] = np.nan
+    if where != "last":
+        flat[at + 3] = np.nan  # a later NaN is not the one named
+    with pytest.raises(Exception) as error:
+        sess.run(None, feed)
+    assert f"holds NaN (flat element {at} of" in str(error.value), str(error.value)
+
+
 @pytest.mark.parametrize("attributes, words", [
     ({"sampling": "bicubic"}, ['attribute sampling must be "bilinear" or "nearest"']),
     ({"num_points_list": [2, -1, 3, 1]}, ["attribute num_points_list[1] = -1", ">= 0"]),
