@@ -171,4 +171,152 @@ static inline void loadv_f16(msda_v8f *v, const uint16_t *p) {
 
 #endif /* !__CUDACC__ */
 
+/* ---- CUDA: each type's conversions (nvcc only) ----------------------------------------------
+ * What the kernels (kernels/) read of a type besides its row: to_acc / from_acc, the 2-, 4- and
+ * 8-channel vector loads and stores, and for a half type the pair packing and vector reduction
+ * by which sm_90 sums its grad_value in its own type. */
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+/* one element to and from its accumulation type (Acc: float for f32/f16/bf16, double for f64) */
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_acc(float v);
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <typename T> __device__ __forceinline__ T from_acc(double v);
+template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+
+/* 2, 4 and 8 channels at once (16-byte aligned vectors) */
+__device__ __forceinline__ void load_vec(const float *p, float (&v)[2]) {
+    const float2 u = __ldg(reinterpret_cast<const float2 *>(p));
+    v[0] = u.x, v[1] = u.y;
+}
+__device__ __forceinline__ void load_vec(const float *p, float (&v)[4]) {
+    const float4 u = __ldg(reinterpret_cast<const float4 *>(p));
+    v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+}
+
+__device__ __forceinline__ void load_vec(const __half *p, float (&v)[4]) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(p));
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+/* bf16 is the upper half of an f32: the low element of a word widens with a shift, the high one
+ * with a mask (one instruction each; __bfloat1622float2 took a PRMT and a shift for the high) */
+__device__ __forceinline__ void bf16x2_to_float(unsigned w, float &lo, float &hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void load_vec(const __nv_bfloat16 *p, float (&v)[4]) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(p));
+    bf16x2_to_float(u.x, v[0], v[1]);
+    bf16x2_to_float(u.y, v[2], v[3]);
+}
+
+/* 8 consecutive channels as floats (16-byte aligned: 32 bytes in f32, 16 in f16/bf16). */
+__device__ __forceinline__ void load_vec8(const float *p, float (&v)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load_vec8(const __half *p, float (&v)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 f = __half22float2(h[q]);
+        v[2 * q] = f.x, v[2 * q + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load_vec8(const __nv_bfloat16 *p, float (&v)[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    bf16x2_to_float(u.x, v[0], v[1]);
+    bf16x2_to_float(u.y, v[2], v[3]);
+    bf16x2_to_float(u.z, v[4], v[5]);
+    bf16x2_to_float(u.w, v[6], v[7]);
+}
+
+__device__ __forceinline__ void store_vec(float *p, const float (&v)[4]) {
+    *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store_vec(__half *p, const float (&v)[4]) {
+    uint2 u;
+    __half2 *h = reinterpret_cast<__half2 *>(&u);
+    h[0] = __floats2half2_rn(v[0], v[1]), h[1] = __floats2half2_rn(v[2], v[3]);
+    *reinterpret_cast<uint2 *>(p) = u;
+}
+__device__ __forceinline__ void store_vec(__nv_bfloat16 *p, const float (&v)[4]) {
+    uint2 u;
+    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+    h[0] = __floats2bfloat162_rn(v[0], v[1]), h[1] = __floats2bfloat162_rn(v[2], v[3]);
+    *reinterpret_cast<uint2 *>(p) = u;
+}
+
+/* 8 channels: two 4-channel stores in f32; one 16-byte store in half types (two 8-byte ones
+ * left each 32-byte sector of a warp's stores half-filled twice) */
+template <typename T> __device__ __forceinline__ void store_vec8(T *p, const float (&v)[8]) {
+    const float a[4] = {v[0], v[1], v[2], v[3]}, b[4] = {v[4], v[5], v[6], v[7]};
+    store_vec(p, a);
+    store_vec(p + 4, b);
+}
+__device__ __forceinline__ void store_vec8(__half *p, const float (&v)[8]) {
+    uint4 u;
+    __half2 *h = reinterpret_cast<__half2 *>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+__device__ __forceinline__ void store_vec8(__nv_bfloat16 *p, const float (&v)[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+
+__device__ __forceinline__ unsigned pack2(const __nv_bfloat16 *, float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned *>(&h);
+}
+__device__ __forceinline__ unsigned pack2(const __half *, float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const unsigned *>(&h);
+}
+__device__ __forceinline__ unsigned pack2(const float *, float, float) { return 0; }
+
+/* sm_90 and newer: N f32 sums of a half type's grad_value, packed in pairs (pack2), added to N
+ * consecutive channels by one reduction of M = N / 2 pairs (kernels/backward_common.cuh's
+ * red_half): 16 bytes (M = 4) or 8 (M = 2). */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MSDA_RED_PAIRS(PAIR)                                                                     \
+    do {                                                                                         \
+        if constexpr (M == 4)                                                                    \
+            asm volatile("red.global.add.noftz.v4." PAIR " [%0], {%1, %2, %3, %4};" ::"l"(p),    \
+                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");                 \
+        else                                                                                     \
+            asm volatile("red.global.add.noftz.v2." PAIR " [%0], {%1, %2};" ::"l"(p), "r"(w[0]), \
+                         "r"(w[1]) : "memory");                                                   \
+    } while (0)
+template <int M> __device__ __forceinline__ void red_pairs(__nv_bfloat16 *p, const unsigned (&w)[M]) {
+    MSDA_RED_PAIRS("bf16x2");
+}
+template <int M> __device__ __forceinline__ void red_pairs(__half *p, const unsigned (&w)[M]) {
+    MSDA_RED_PAIRS("f16x2");
+}
+#undef MSDA_RED_PAIRS
+template <typename T, int M> __device__ __forceinline__ void red_pairs(T *, const unsigned (&)[M]) {
+    static_assert(sizeof(T) == 0, "c/dtypes.h: a half type needs its pack2 and red_pairs");
+}
+#endif
+#endif /* __CUDACC__ */
+
 #endif /* MSDA_DTYPES_H */

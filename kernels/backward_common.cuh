@@ -3,8 +3,9 @@
  * before. Half types: on sm_90 and newer red.global.add.noftz.v4/v2 of packed f16x2 / bf16x2
  * pairs straight into the half-precision grad_value (each f32 sum rounded once as it is added),
  * whatever the points' dtype; older code adds into an f32 workspace that a last kernel converts
- * (c/routes.c, MSDA_ROUTE_F32_WORKSPACE). Also the programmatic-dependent-launch wait and the launch bound
- * of the per-point and aggregated kernels. */
+ * (c/routes.c, MSDA_ROUTE_F32_WORKSPACE); each half type's pair packing and reduction are in
+ * c/dtypes.h. Also the programmatic-dependent-launch wait and the launch bound of the per-point
+ * and aggregated kernels. */
 #pragma once
 
 #include <type_traits>
@@ -26,36 +27,13 @@
 template <typename T, bool DET> struct NativeHalf {
     static constexpr bool value = MSDA_NATIVE_HALF && !DET && IsHalf<T>::value;
 };
-__device__ __forceinline__ unsigned pack2(const __nv_bfloat16 *, float a, float b) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const unsigned *>(&h);
-}
-__device__ __forceinline__ unsigned pack2(const __half *, float a, float b) {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const unsigned *>(&h);
-}
-__device__ __forceinline__ unsigned pack2(const float *, float, float) { return 0; }
-
 template <typename T, int N> __device__ __forceinline__ void red_half(T *p, const float (&v)[N]) {
     static_assert(N == 4 || N == 8, "4 or 8 channels");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     unsigned w[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; i++) w[i] = pack2(p, v[2 * i], v[2 * i + 1]);
-/* one 16-byte (N = 8) or 8-byte (N = 4) reduction of packed pairs of type PAIR */
-#define MSDA_RED_PAIRS(PAIR)                                                                     \
-    do {                                                                                         \
-        if constexpr (N == 8)                                                                    \
-            asm volatile("red.global.add.noftz.v4." PAIR " [%0], {%1, %2, %3, %4};" ::"l"(p),    \
-                         "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");                 \
-        else                                                                                     \
-            asm volatile("red.global.add.noftz.v2." PAIR " [%0], {%1, %2};" ::"l"(p), "r"(w[0]), \
-                         "r"(w[1]) : "memory");                                                   \
-    } while (0)
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) MSDA_RED_PAIRS("bf16x2");
-    else if constexpr (std::is_same<T, __half>::value) MSDA_RED_PAIRS("f16x2");
-    else static_assert(sizeof(T) == 0, "a half type's pair reduction (and pack2) belongs here");
-#undef MSDA_RED_PAIRS
+    red_pairs(p, w); /* the type's pair reduction: c/dtypes.h */
 #else
     (void)p, (void)v; /* not compiled in: NativeHalf is false before sm_90 */
 #endif

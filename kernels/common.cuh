@@ -1,8 +1,9 @@
 /* kernels/common.cuh: what every MSDA CUDA kernel shares (the math: c/msda.h).
- * Element conversions (Acc, the accumulation type: float for f32/f16/bf16, double for f64), warp
- * and group sums, 4- and 8-channel vector loads and stores (16-byte aligned; bf16 widened by a
- * shift or a mask), and on the host the device guard and the one error-check macro,
- * MSDA_CUDA_CHECK, which records the failing statement, file and line as the library's error. */
+ * Each dtype's traits read from its row of c/dtypes.h (AccOf, IsHalf, HasFast; the element
+ * conversions and vector loads and stores live beside the row there), point tensors read in
+ * their dtype, warp and group sums, and on the host the device guard and the one error-check
+ * macro, MSDA_CUDA_CHECK, which records the failing statement, file and line as the library's
+ * error. */
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,22 +15,6 @@
 
 #include "../c/msda_internal.h"
 
-// ---------------------------------------------------------------------------------------------
-// element conversions: Acc is float for f32/f16/bf16, double for f64
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_acc(float v);
-template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-template <typename T> __device__ __forceinline__ T from_acc(double v);
-template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
 
 /* Each CUDA storage type's row of the dtype table (c/dtypes.h): AccOf<T>::type, its accumulation
  * type; IsHalf<T>::value, its half column; HasFast<T>::value, whether the fast kernels serve it
@@ -104,97 +89,6 @@ template <int G> __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
     for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
-}
-
-// ---------------------------------------------------------------------------------------------
-// 4 and 8 channels at once (16-byte aligned vectors)
-
-__device__ __forceinline__ void load_vec(const float *p, float (&v)[2]) {
-    const float2 u = __ldg(reinterpret_cast<const float2 *>(p));
-    v[0] = u.x, v[1] = u.y;
-}
-__device__ __forceinline__ void load_vec(const float *p, float (&v)[4]) {
-    const float4 u = __ldg(reinterpret_cast<const float4 *>(p));
-    v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
-}
-
-__device__ __forceinline__ void load_vec(const __half *p, float (&v)[4]) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(p));
-    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-}
-/* bf16 is the upper half of an f32: the low element of a word widens with a shift, the high one
- * with a mask (one instruction each; __bfloat1622float2 took a PRMT and a shift for the high) */
-__device__ __forceinline__ void bf16x2_to_float(unsigned w, float &lo, float &hi) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xffff0000u);
-}
-__device__ __forceinline__ void load_vec(const __nv_bfloat16 *p, float (&v)[4]) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2 *>(p));
-    bf16x2_to_float(u.x, v[0], v[1]);
-    bf16x2_to_float(u.y, v[2], v[3]);
-}
-
-/* 8 consecutive channels as floats (16-byte aligned: 32 bytes in f32, 16 in f16/bf16). */
-__device__ __forceinline__ void load_vec8(const float *p, float (&v)[8]) {
-    const float4 a = __ldg(reinterpret_cast<const float4 *>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-__device__ __forceinline__ void load_vec8(const __half *p, float (&v)[8]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 f = __half22float2(h[q]);
-        v[2 * q] = f.x, v[2 * q + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load_vec8(const __nv_bfloat16 *p, float (&v)[8]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
-    bf16x2_to_float(u.x, v[0], v[1]);
-    bf16x2_to_float(u.y, v[2], v[3]);
-    bf16x2_to_float(u.z, v[4], v[5]);
-    bf16x2_to_float(u.w, v[6], v[7]);
-}
-
-__device__ __forceinline__ void store_vec(float *p, const float (&v)[4]) {
-    *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]);
-}
-__device__ __forceinline__ void store_vec(__half *p, const float (&v)[4]) {
-    uint2 u;
-    __half2 *h = reinterpret_cast<__half2 *>(&u);
-    h[0] = __floats2half2_rn(v[0], v[1]), h[1] = __floats2half2_rn(v[2], v[3]);
-    *reinterpret_cast<uint2 *>(p) = u;
-}
-__device__ __forceinline__ void store_vec(__nv_bfloat16 *p, const float (&v)[4]) {
-    uint2 u;
-    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
-    h[0] = __floats2bfloat162_rn(v[0], v[1]), h[1] = __floats2bfloat162_rn(v[2], v[3]);
-    *reinterpret_cast<uint2 *>(p) = u;
-}
-
-/* 8 channels: two 4-channel stores in f32; one 16-byte store in half types (two 8-byte ones
- * left each 32-byte sector of a warp's stores half-filled twice) */
-template <typename T> __device__ __forceinline__ void store_vec8(T *p, const float (&v)[8]) {
-    const float a[4] = {v[0], v[1], v[2], v[3]}, b[4] = {v[4], v[5], v[6], v[7]};
-    store_vec(p, a);
-    store_vec(p + 4, b);
-}
-__device__ __forceinline__ void store_vec8(__half *p, const float (&v)[8]) {
-    uint4 u;
-    __half2 *h = reinterpret_cast<__half2 *>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
-    *reinterpret_cast<uint4 *>(p) = u;
-}
-__device__ __forceinline__ void store_vec8(__nv_bfloat16 *p, const float (&v)[8]) {
-    uint4 u;
-    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-    *reinterpret_cast<uint4 *>(p) = u;
 }
 
 // ---------------------------------------------------------------------------------------------
