@@ -4,9 +4,12 @@ decomposition (both forms) and the graph torch.onnx.export writes for the pure-P
 (pymsda.reference), beside eager pymsda on the same threads; then, with --models, whole HF
 transformers RT-DETR and Deformable DETR models (random weights, ResNet-50 configs, one image)
 exported with the node against the default export (transformers' own MSDA code). Interleaved
-runs, medians and 10th-90th percentiles.
+runs, medians and 10th-90th percentiles. With --apart, the node and eager pymsda instead, each
+in a process of its own (no ONNX Runtime worker spinning beside eager's OpenMP team, no torch in
+the node's process), the processes alternated --rounds times, each timing --calls calls.
 
     python tests/bench_export.py [--reps 20] [--threads 2] [--opset 17] [--models]
+    python tests/bench_export.py --apart [--threads 2] [--rounds 3] [--calls 200]
 """
 import argparse
 import io
@@ -169,13 +172,84 @@ def model_table(args):
               f"{np.abs(outs['default'] - outs['node']).max():.1e} |", flush=True)
 
 
+def cpu_shape(name):
+    """(levels, value, sampling_locations, attention_weights) of a CPU bench shape, float32
+    numpy arrays: locations uniform in [-0.05, 1.05], weights summing to 1 over each query and
+    head's points."""
+    with open(os.path.join(os.path.dirname(pymsda.__file__), "bench", "shapes.json")) as f:
+        shape = json.load(f)["cpu"][name]
+    levels = [tuple(level) for level in shape["levels"]]
+    S = sum(h * w for h, w in levels)
+    B, H, C, P, Q = shape["B"], shape["H"], shape["C"], shape["P"], shape["Q"] or S
+    rng = np.random.default_rng(0)
+    value = rng.standard_normal((B, S, H, C), dtype=np.float32)
+    loc = rng.random((B, Q, H, len(levels), P, 2), dtype=np.float32) * 1.1 - 0.05
+    attn = rng.random((B, Q, H, len(levels), P), dtype=np.float32)
+    return levels, value, loc.astype(np.float32), attn / attn.sum(-1, keepdims=True)
+
+
+def child(kind, name, threads, calls):
+    """Median ms of `calls` calls of the node (kind "node") or eager pymsda ("eager"), printed."""
+    levels, value, loc, attn = cpu_shape(name)
+    if kind == "node":
+        from onnx_node import node_model
+        shapes = np.array(levels, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(shapes.prod(1))[:-1]]).astype(np.int64)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.register_custom_ops_library(pymsda.library_path())
+        sess = ort.InferenceSession(node_model().SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"])
+        feed = dict(zip([i.name for i in sess.get_inputs()], [value, shapes, starts, loc, attn]))
+        run = lambda: sess.run(None, feed)  # noqa: E731
+    else:
+        torch.set_num_threads(threads)
+        v, l, a = (torch.from_numpy(x) for x in (value, loc, attn))
+        run = lambda: pymsda.ms_deform_attn(v, levels, None, l, a)  # noqa: E731
+    for _ in range(20):
+        run()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    print(json.dumps(float(np.median(times))))
+
+
+def apart_table(args):
+    import sys
+    print("| shape | threads | pymsda node (each round's median) | eager pymsda (each round's median) "
+          "| node - eager |")
+    print("|---|---|---|---|---|")
+    for name in ("dec300", "ddetr_dec"):
+        for threads in (args.threads, 1):
+            times = {"node": [], "eager": []}
+            for rep in range(args.rounds):
+                for kind in (("node", "eager") if rep % 2 == 0 else ("eager", "node")):
+                    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                                          kind, name, str(threads), str(args.calls)],
+                                         capture_output=True, text=True, check=True).stdout
+                    times[kind].append(json.loads(out.splitlines()[-1]))
+            node, eager = (np.median(times[k]) for k in ("node", "eager"))
+            cells = [" / ".join(f"{t:.3f}" for t in times[k]) + " ms" for k in ("node", "eager")]
+            print(f"| {name} | {threads} | {cells[0]} | {cells[1]} | {(node - eager) * 1e3:+.0f} us |",
+                  flush=True)
+
+
 def main():
+    import sys
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--opset", type=int, default=17)
     parser.add_argument("--models", action="store_true", help="also the whole-model table")
     parser.add_argument("--image", default="320x320", help="--models' image, HxW")
+    parser.add_argument("--apart", action="store_true",
+                        help="only the node against eager pymsda, each in a process of its own")
+    parser.add_argument("--rounds", type=int, default=3, help="--apart's processes of each")
+    parser.add_argument("--calls", type=int, default=200, help="--apart's calls a process")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # eager pymsda on the threads the sessions get
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -184,6 +258,8 @@ def main():
           f"{os.cpu_count()} CPUs; onnxruntime {ort.__version__}, torch {torch.__version__}, "
           f"commit {commit.strip()}; {args.threads} threads, opset {args.opset}, {args.reps} "
           "interleaved runs; median [p10-p90], err: rel-L2 against eager pymsda")
+    if args.apart:
+        return apart_table(args)
     operator_table(args)
     if args.models:
         model_table(args)
