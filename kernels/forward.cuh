@@ -76,6 +76,24 @@ using FastWithOptions = ForwardForm<true, 4>;
 using Wide = ForwardForm<false, 8>;
 using WideWithOptions = ForwardForm<true, 8>;
 
+/* One point's four corners (value offsets o4, -1 for a corner outside its level; weights w4),
+ * V channels each, added into acc: the gather both forward kernels share. */
+template <typename T, int V>
+__device__ __forceinline__ void add_corners(const T *value, const int4 o4, const float4 w4,
+                                            float (&acc)[V]) {
+    const int o[4] = {o4.x, o4.y, o4.z, o4.w};
+    const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        if (o[c] < 0) continue;
+        float v[V];
+        if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
+        else load_vec(value + (unsigned)o[c], v); /* o >= 0: one IMAD.WIDE.U32 */
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
+    }
+}
+
 template <typename T, int G, typename Form>
 __global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
     constexpr bool OPT = Form::OPT;
@@ -113,19 +131,8 @@ __global__ void __launch_bounds__(Form::NT) msda_forward_fast(msda_problem pr) {
             __syncthreads();
 #pragma unroll kFwdUnroll
             for (int k = 0; k < kn; k++) {
-                const int4 o4 = s_offs[local * St::STRIDE + k];
-                const float4 w4 = s_w[local * St::STRIDE + k];
-                const int o[4] = {o4.x, o4.y, o4.z, o4.w};
-                const float w[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    if (o[c] < 0) continue;
-                    float v[V];
-                    if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
-                    else load_vec(value + (unsigned)o[c], v); /* o >= 0: one IMAD.WIDE.U32 */
-#pragma unroll
-                    for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
-                }
+                add_corners(value, s_offs[local * St::STRIDE + k], s_w[local * St::STRIDE + k],
+                            acc);
             }
             __syncthreads();
         }
@@ -174,17 +181,7 @@ __global__ void __launch_bounds__(Form::NT) msda_forward_direct(msda_problem pr)
             int4 o4;
             float4 w4;
             stage_point<T, true, false>(pr, s_lvl, it, p, o4, w4);
-            const int o[4] = {o4.x, o4.y, o4.z, o4.w};
-            const float w[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                if (o[c] < 0) continue;
-                float v[V];
-                if constexpr (V == 8) load_vec8(value + (unsigned)o[c], v);
-                else load_vec(value + (unsigned)o[c], v);
-#pragma unroll
-                for (int j = 0; j < V; j++) acc[j] += w[c] * v[j];
-            }
+            add_corners(value, o4, w4, acc);
         }
 #pragma unroll
         for (int d = G; d < R; d <<= 1)
