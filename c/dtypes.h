@@ -1,8 +1,8 @@
-/* c/dtypes.h: the element types the library serves, one row each (MSDA_DTYPES), the table the
- * entry points, the route chooser and both dispatches (CPU: c/cpu_common.h, CUDA:
- * kernels/common.cuh) read; and, for the CPU kernels, each type's element loads and stores.
- * Adding a dtype: docs/changing.md. Plain C, includable from CUDA C++ (the conversions below
- * are compiled for host C only). */
+/* c/dtypes.h: the element types the library serves, everything a type is in one file: one row
+ * each (MSDA_DTYPES), the table the entry points, the route chooser and both dispatches (CPU:
+ * c/cpu_common.h, CUDA: kernels/common.cuh) read; each type's element loads and stores for the
+ * CPU kernels (host C only); and each type's conversions for the CUDA kernels (nvcc only).
+ * Adding a dtype: docs/changing.md. Plain C, includable from CUDA C++. */
 #ifndef MSDA_DTYPES_H
 #define MSDA_DTYPES_H
 
